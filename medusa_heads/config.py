@@ -1,0 +1,65 @@
+"""`MedusaConfig`: what a set of Medusa heads is, saved as `config.json` beside the weights."""
+
+from huggingface_hub.dataclasses import strict
+from transformers import PreTrainedConfig
+
+FORMAT_VERSION = 1
+
+
+@strict(accept_kwargs=True)
+class MedusaConfig(PreTrainedConfig):
+    r"""
+    Configuration of K Medusa heads on top of a causal LM backbone.
+
+    Args:
+        base_model_name_or_path (`str`):
+            Hub id, local folder or embedded alias of the backbone the heads were trained on.
+        base_model_gguf_file (`str`, *optional*):
+            GGUF file name inside `base_model_name_or_path`, when the backbone is loaded from GGUF.
+        num_heads (`int`, defaults to 4):
+            Number of heads K; head k (0-based) predicts the token k + 2 positions after the hidden state.
+        num_layers (`int`, defaults to 1):
+            Residual blocks `h + SiLU(W h + b)` per head.
+        hidden_size (`int`):
+            Hidden size of the backbone's last hidden state.
+        vocab_size (`int`):
+            Size of the backbone's output vocabulary.
+        share_lm_head (`bool`, defaults to `True`):
+            If `True` every head projects with the backbone's own LM head (not saved with the heads);
+            if `False` each head owns a projection, initialised from the backbone's (as in the Medusa paper).
+        format_version (`int`):
+            Version of the saved format, checked on load.
+
+    Example:
+
+    >>> config = MedusaConfig(base_model_name_or_path="HuggingFaceTB/SmolLM2-135M-Instruct", hidden_size=576, vocab_size=49152)
+    >>> config.num_heads
+    4
+    """
+
+    model_type = "medusa_heads"
+
+    base_model_name_or_path: str | None = None
+    base_model_gguf_file: str | None = None
+    num_heads: int = 4
+    num_layers: int = 1
+    hidden_size: int = 576
+    vocab_size: int = 49152
+    share_lm_head: bool = True
+    format_version: int = FORMAT_VERSION
+
+    def validate_architecture(self):
+        """Called by `@strict` on construction: one sentence per problem, naming the argument."""
+        if self.num_heads < 1:
+            raise ValueError(f"`num_heads` must be at least 1, got {self.num_heads}.")
+        if self.num_layers < 0:
+            raise ValueError(f"`num_layers` must be 0 or more, got {self.num_layers}.")
+        if self.hidden_size < 1 or self.vocab_size < 1:
+            raise ValueError(
+                f"`hidden_size` and `vocab_size` must be positive, got {self.hidden_size} and {self.vocab_size}."
+            )
+        if self.format_version > FORMAT_VERSION:
+            raise ValueError(
+                f"These heads use format version {self.format_version}, newer than this medusa-heads "
+                f"({FORMAT_VERSION}); please upgrade medusa-heads."
+            )

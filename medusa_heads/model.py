@@ -1,0 +1,139 @@
+"""`MedusaModel`: a frozen backbone plus its heads, checked to fit each other."""
+
+import logging
+from pathlib import Path
+
+import torch
+from huggingface_hub.errors import StrictDataclassError
+from safetensors import SafetensorError
+from torch import nn
+from transformers import PreTrainedModel
+
+from .backbone import EMBEDDED_MODEL, first_line, load_backbone, parse_dtype
+from .config import MedusaConfig
+from .errors import MedusaError
+from .heads import MedusaHeads
+
+logger = logging.getLogger(__name__)
+
+# Heads shipped with the package, by backbone name.
+SHIPPED_HEADS = {EMBEDDED_MODEL: Path(__file__).parent / "pretrained" / "smollm2-135m-embedded"}
+
+
+def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> MedusaHeads:
+    """Load heads from a local folder or hub id; missing or unexpected weights are an error, not a warning."""
+    local = Path(path)
+    if local.exists() and not (local / "config.json").is_file():
+        raise MedusaError(f"`{path}` holds no config.json: it is not a folder of Medusa heads.")
+    if not local.exists() and (str(path).startswith((".", "/", "~")) or str(path).count("/") != 1):
+        raise MedusaError(f"Heads folder `{path}` does not exist.")
+    try:
+        config = MedusaConfig.from_pretrained(path)
+        extra = {"dtype": parse_dtype(dtype)} if dtype is not None else {}
+        heads, info = MedusaHeads.from_pretrained(path, config=config, output_loading_info=True, **extra)
+    except (OSError, ValueError, StrictDataclassError, SafetensorError) as err:
+        raise MedusaError(f"Cannot load Medusa heads from `{path}`: {first_line(err)}") from err
+    bad = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
+    if bad or info.get("error_msgs"):
+        raise MedusaError(f"The weights in `{path}` do not match its config.json: {bad or info['error_msgs']}")
+    return heads.eval()
+
+
+def check_fits(heads: MedusaHeads, backbone: PreTrainedModel) -> None:
+    """Raise a MedusaError naming every size that differs between heads and backbone."""
+    text_config = backbone.config.get_text_config()
+    vocab = backbone.get_output_embeddings().weight.shape[0]
+    problems = []
+    if heads.config.hidden_size != text_config.hidden_size:
+        problems.append(f"hidden size {heads.config.hidden_size} vs the backbone's {text_config.hidden_size}")
+    if heads.config.vocab_size != vocab:
+        problems.append(f"vocabulary {heads.config.vocab_size} vs the backbone's {vocab}")
+    if problems:
+        raise MedusaError(
+            f"These heads do not fit this backbone ({'; '.join(problems)}); they were trained for "
+            f"`{heads.config.base_model_name_or_path}`."
+        )
+
+
+def untrained_heads(backbone: PreTrainedModel, name_or_path: str, num_heads: int = 4, num_layers: int = 1,
+                    share_lm_head: bool = True, gguf_file: str | None = None) -> MedusaHeads:
+    """Fresh heads for `backbone`: each starts as exactly the backbone's LM head."""
+    config = MedusaConfig(
+        base_model_name_or_path=name_or_path,
+        base_model_gguf_file=gguf_file,
+        num_heads=num_heads,
+        num_layers=num_layers,
+        hidden_size=backbone.config.get_text_config().hidden_size,
+        vocab_size=backbone.get_output_embeddings().weight.shape[0],
+        share_lm_head=share_lm_head,
+    )
+    heads = MedusaHeads(config)
+    if not share_lm_head:
+        heads.init_lm_heads_from(backbone.get_output_embeddings())
+    return heads.to(device=backbone.device, dtype=backbone.dtype)
+
+
+class MedusaModel(nn.Module):
+    r"""
+    A frozen backbone and its Medusa heads, ready for `medusa_heads.inference.generate`.
+
+    Example:
+
+    >>> model = MedusaModel.from_pretrained("path/to/heads")  # backbone named in the heads' config
+    >>> model = MedusaModel.from_pretrained("path/to/heads", base_model="path/to/backbone", dtype="bfloat16")
+    """
+
+    def __init__(self, backbone: PreTrainedModel, heads: MedusaHeads):
+        super().__init__()
+        check_fits(heads, backbone)
+        self.backbone = backbone
+        self.heads = heads
+
+    @property
+    def config(self) -> MedusaConfig:
+        return self.heads.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.device
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., H] -> [K, ..., V]."""
+        return self.heads(hidden, lm_head=self.backbone.get_output_embeddings())
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        heads_path: str | Path | None = None,
+        base_model: str | PreTrainedModel | None = None,
+        dtype: str | torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        num_heads: int = 4,
+    ) -> "MedusaModel":
+        r"""
+        Load backbone + heads.
+
+        Args:
+            heads_path: folder or hub id of saved heads. `None`: the heads shipped for `base_model` if there are
+                any, else untrained heads (`num_heads` of them), which decode exactly but accept little.
+            base_model: a loaded model, or a hub id / folder; `None` means the backbone named in the heads'
+                config (or the embedded default when there are no heads either).
+            dtype, device: where and how the backbone and heads run.
+        """
+        dtype = parse_dtype(dtype)
+        if heads_path is None and not isinstance(base_model, PreTrainedModel):
+            shipped = SHIPPED_HEADS.get(base_model or EMBEDDED_MODEL)
+            if shipped is not None and (shipped / "config.json").exists():
+                heads_path = shipped
+        heads = load_heads(heads_path, dtype=dtype) if heads_path is not None else None
+        if isinstance(base_model, PreTrainedModel):
+            backbone, name, gguf = base_model, base_model.name_or_path, None
+        else:
+            name = base_model or (heads.config.base_model_name_or_path if heads else None) or EMBEDDED_MODEL
+            gguf = heads.config.base_model_gguf_file if heads and not base_model else None
+            backbone = load_backbone(name, gguf_file=gguf, dtype=dtype, device=device)
+        if heads is None:
+            logger.warning("No trained heads for `%s`: using %d untrained heads (exact, but few tokens accepted).",
+                           name, num_heads)
+            heads = untrained_heads(backbone, name, num_heads=num_heads, gguf_file=gguf)
+        return cls(backbone, heads.to(device=backbone.device, dtype=backbone.dtype))
