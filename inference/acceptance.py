@@ -106,11 +106,11 @@ class TypicalAcceptance:
 
 
 def make_acceptance(name: str, temperature: float = 0.0, epsilon: float = 0.09, delta: float = 0.3,
-                    seed: int | None = None) -> Acceptance:
-    """`greedy` or `typical`, by name, as the CLI names them."""
+                    seed: int | None = None, device: str | torch.device = "cpu") -> Acceptance:
+    """`greedy` or `typical`, by name, as the CLI names them; `device` is where the logits will be."""
     if name == "greedy":
         return GreedyAcceptance()
     if name == "typical":
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
         return TypicalAcceptance(temperature or 0.7, epsilon, delta, generator)
     raise MedusaError(f"Unknown acceptance `{name}`; use greedy or typical.")

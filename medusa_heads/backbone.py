@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import MedusaError
@@ -46,15 +47,17 @@ def _embedded_gguf_folder() -> Path:
 
 def embedded_model_folder() -> Path:
     """A folder with the embedded model de-quantized to safetensors, made once (atomically) and reused."""
-    folder = cache_home() / "models" / EMBEDDED_MODEL
+    folder = cache_home() / "models" / f"{EMBEDDED_MODEL}-v1"
     if (folder / "config.json").exists():
         return folder
     gguf_folder = _embedded_gguf_folder()
     logger.info("De-quantizing the embedded %s once into %s", EMBEDDED_GGUF, folder)
     loaded = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF)
-    # A GGUF-loaded model refuses save_pretrained; a fresh model of the same class with its weights does not.
-    fresh = type(loaded)(loaded.config)
+    # A GGUF-loaded model refuses save_pretrained, and its config would mark the plain weights as quantized:
+    # save a fresh model of the same class, without the quantization config, holding the de-quantized weights.
+    plain = {k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"}
+    fresh = type(loaded)(type(loaded.config).from_dict(plain))
     fresh.load_state_dict(loaded.state_dict())
     fresh.generation_config = loaded.generation_config
     folder.parent.mkdir(parents=True, exist_ok=True)
@@ -101,8 +104,11 @@ def load_tokenizer(name_or_path: str = EMBEDDED_MODEL, gguf_file: str | None = N
 
 
 def first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
+    """The line of an error message that says what is wrong (huggingface_hub's validation errors put it last)."""
+    lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    return lines[-1] if isinstance(err, StrictDataclassError) else lines[0]
 
 
 def backbone_forward(

@@ -20,6 +20,12 @@ logger = logging.getLogger(__name__)
 SHIPPED_HEADS = {EMBEDDED_MODEL: Path(__file__).parent / "pretrained" / "smollm2-135m-embedded"}
 
 
+def shipped_heads(base_model: str) -> Path | None:
+    """The folder of the heads shipped for `base_model`, if the package has them."""
+    folder = SHIPPED_HEADS.get(base_model)
+    return folder if folder is not None and (folder / "config.json").is_file() else None
+
+
 def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> MedusaHeads:
     """Load heads from a local folder or hub id; missing or unexpected weights are an error, not a warning."""
     local = Path(path)
@@ -122,9 +128,7 @@ class MedusaModel(nn.Module):
         """
         dtype = parse_dtype(dtype)
         if heads_path is None and not isinstance(base_model, PreTrainedModel):
-            shipped = SHIPPED_HEADS.get(base_model or EMBEDDED_MODEL)
-            if shipped is not None and (shipped / "config.json").exists():
-                heads_path = shipped
+            heads_path = shipped_heads(base_model or EMBEDDED_MODEL)
         heads = load_heads(heads_path, dtype=dtype) if heads_path is not None else None
         if isinstance(base_model, PreTrainedModel):
             backbone, name, gguf = base_model, base_model.name_or_path, None

@@ -1,0 +1,116 @@
+"""`medusa-heads`: generate with tree decoding, make self-distillation data."""
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from huggingface_hub.errors import StrictDataclassError
+
+from .backbone import first_line
+from .errors import MedusaError
+
+
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="float32", help="float32 (exact greedy), bfloat16 or float16")
+    p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="medusa-heads", description="Medusa multi-head speculative decoding.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="answer one prompt with tree decoding and print statistics")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--model", help="backbone hub id or folder (default: the embedded SmolLM2-135M-Instruct)")
+    g.add_argument("--heads", help="heads folder or hub id (default: the heads shipped for the model)")
+    g.add_argument("--tree", default="cpu-8", help="a shipped tree name or a JSON file")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--acceptance", choices=["greedy", "typical"], default="greedy")
+    g.add_argument("--temperature", type=float, default=0.0, help="typical acceptance: sampling temperature")
+    g.add_argument("--epsilon", type=float, default=0.09, help="typical acceptance: hard threshold")
+    g.add_argument("--delta", type=float, default=0.3, help="typical acceptance: entropy-scaled threshold")
+    g.add_argument("--seed", type=int, help="seed for sampling")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_runtime_args(g)
+
+    d = sub.add_parser("distill", help="let the backbone answer prompts itself (resumable)")
+    d.add_argument("--prompts", type=Path, required=True, help="jsonl with a `prompt` field per line")
+    d.add_argument("--out", type=Path, required=True, help="jsonl to append answers to")
+    d.add_argument("--model", default=None, help="backbone (default: the embedded SmolLM2-135M-Instruct)")
+    d.add_argument("--batch-size", type=int, default=32)
+    d.add_argument("--max-new-tokens", type=int, default=256)
+    d.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
+    d.add_argument("--limit", type=int, help="answer only the first N prompts")
+    d.add_argument("--seed", type=int, default=0)
+    _add_runtime_args(d)
+    d.set_defaults(dtype="bfloat16")
+    return parser
+
+
+def _generate(args) -> None:
+    from medusa_heads.backbone import EMBEDDED_MODEL, load_tokenizer
+    from medusa_heads.inference import MedusaDrafter, generate, make_acceptance, stream
+    from medusa_heads.inference.generate import GenerationStats
+    from medusa_heads.model import MedusaModel
+    from medusa_heads.tree import build_tree, load_tree
+
+    if args.max_new_tokens < 1:
+        raise MedusaError(f"`--max-new-tokens` must be at least 1, got {args.max_new_tokens}.")
+    tree = load_tree(args.tree)
+    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
+    tokenizer = load_tokenizer(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL,
+                               gguf_file=None if args.model else model.config.base_model_gguf_file)
+    drafter = MedusaDrafter(model, build_tree(tree, model.device))
+    acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
+                                 device=model.device)
+    if args.json:
+        result = generate(model, tokenizer, args.prompt, drafter, acceptance, args.max_new_tokens, args.stop, args.raw)
+        print(json.dumps({"text": result.text, "token_ids": result.token_ids, **result.stats.as_dict(),
+                          "tree": args.tree, "tree_nodes": drafter.tree.size, "acceptance": args.acceptance}))
+        return
+    stats = GenerationStats()
+    for piece in stream(model, tokenizer, args.prompt, drafter, acceptance, args.max_new_tokens, args.stop, args.raw,
+                        stats):
+        print(piece, end="", flush=True)
+    print()
+    print(f"[{stats.new_tokens} tokens in {stats.steps} steps, mean accepted length "
+          f"{stats.mean_accepted_length:.2f}, {stats.tokens_per_second:.1f} tokens/s; per-head acceptance "
+          f"{', '.join(f'{a:.2f}' for a in stats.head_acceptance)}]", file=sys.stderr)
+
+
+def _distill(args) -> None:
+    from medusa_heads.backbone import EMBEDDED_MODEL
+    from medusa_heads.training.distill import distill
+
+    distill(args.prompts, args.out, model=args.model or EMBEDDED_MODEL, batch_size=args.batch_size,
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, dtype=args.dtype,
+            device=args.device, limit=args.limit, seed=args.seed)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "distill" else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        {"generate": _generate, "distill": _distill}[args.command](args)
+    except (MedusaError, StrictDataclassError) as err:
+        print(f"medusa-heads: error: {first_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("medusa-heads: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""Tree decoding on the real SmolLM2 model in fp32: HF `generate` is the oracle."""
+
+import copy
+import random
+
+import pytest
+import torch
+
+from medusa_heads.inference import GreedyAcceptance, MedusaDrafter, TypicalAcceptance, generate_ids
+from medusa_heads.inference.cache import new_cache
+from medusa_heads.inference.drafters import Draft
+from medusa_heads.inference.generate import GenerationStats, encode_prompt, prefill, tree_decode_step, verify
+from medusa_heads.inference.drafters import DecodeState
+from medusa_heads.tree import build_tree, load_tree
+
+NEW_TOKENS = 128
+
+
+def hf_greedy(backbone, input_ids, max_new_tokens=NEW_TOKENS):
+    out = backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                            max_new_tokens=max_new_tokens)
+    return out[0, input_ids.shape[1]:].tolist()
+
+
+def explain_mismatch(backbone, input_ids, ours, reference):
+    """Name the first divergence and the backbone's top-2 logit gap there (a near tie is a float effect)."""
+    i = next(k for k, (a, b) in enumerate(zip(ours + [-1], reference + [-2])) if a != b)
+    context = torch.cat([input_ids[0], torch.tensor(reference[:i], dtype=torch.long)])[None]
+    with torch.no_grad():
+        logits = backbone(context).logits[0, -1]
+    top = logits.topk(2)
+    return (f"first difference at new token {i}: ours {ours[i:i + 1]}, HF {reference[i:i + 1]}; "
+            f"top-2 logit gap there {float(top.values[0] - top.values[1]):.2e} (tokens {top.indices.tolist()})")
+
+
+class OracleDrafter:
+    """Knows the reference continuation and hides it on a random path of the tree, noise elsewhere."""
+
+    def __init__(self, tree, prompt_len, reference, seed=0):
+        self.tree, self.prompt_len, self.reference = tree, prompt_len, reference
+        self.rng = random.Random(seed)
+
+    def propose(self, state: DecodeState) -> Draft:
+        done = len(state.token_ids) - self.prompt_len
+        tokens = torch.tensor([self.rng.randrange(49152) for _ in range(self.tree.size)])
+        tokens[0] = state.root
+        row = self.rng.randrange(self.tree.retrieve.shape[0])
+        path = self.tree.retrieve[row][self.tree.retrieve_valid[row]][1:]
+        truth = self.reference[done:done + len(path)]
+        tokens[path[: len(truth)]] = torch.tensor(truth, dtype=torch.long)
+        return Draft(self.tree, tokens)
+
+
+def decode(model, input_ids, drafter, acceptance=None, max_new_tokens=NEW_TOKENS, stats=None):
+    eos = [model.backbone.generation_config.eos_token_id]
+    return [t for chunk in generate_ids(model, input_ids, drafter, acceptance, max_new_tokens, eos, stats=stats)
+            for t in chunk]
+
+
+@pytest.fixture(scope="module")
+def references(backbone, tokenizer, chat_prompts):
+    rows = []
+    for prompt in chat_prompts:
+        ids = encode_prompt(tokenizer, prompt)
+        rows.append((ids, hf_greedy(backbone, ids)))
+    return rows
+
+
+@pytest.mark.parametrize("tree_name", ["cpu-8", "chain-4"])
+def test_greedy_tree_decoding_equals_hf_generate(model, backbone, references, tree_name):
+    drafter = MedusaDrafter(model, build_tree(load_tree(tree_name)))
+    for ids, reference in references:
+        ours = decode(model, ids, drafter)
+        assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
+
+
+def test_greedy_with_the_63_node_tree(model, backbone, references):
+    drafter = MedusaDrafter(model, build_tree(load_tree("medusa-63")))
+    for ids, reference in references[:2]:
+        ours = decode(model, ids, drafter, max_new_tokens=48)
+        assert ours == reference[:48], explain_mismatch(backbone, ids, ours, reference)
+
+
+@pytest.mark.parametrize("tree_name", ["cpu-16", "medusa-63"])
+def test_long_accepted_paths_on_any_branch_stay_exact(model, backbone, references, tree_name):
+    """An oracle drafter makes long paths accepted on random branches: exercises the non-contiguous cache gather."""
+    tree = build_tree(load_tree(tree_name))
+    for ids, reference in references[:3]:
+        stats = GenerationStats()
+        ours = decode(model, ids, OracleDrafter(tree, ids.shape[1], reference), stats=stats)
+        assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
+        assert stats.mean_accepted_length > 3.0
+        assert stats.new_tokens == len(reference) and sum(stats.accepted_lengths) + 1 >= len(reference)
+
+
+def test_near_zero_temperature_typical_acceptance_is_greedy(model, backbone, references):
+    tree = build_tree(load_tree("cpu-16"))
+    ids, reference = references[0]
+    acceptance = TypicalAcceptance(temperature=1e-4, generator=torch.Generator().manual_seed(0))
+    ours = decode(model, ids, OracleDrafter(tree, ids.shape[1], reference), acceptance)
+    assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
+
+
+def test_typical_acceptance_is_reproducible_with_a_seed(model, tokenizer, chat_prompts):
+    drafter = MedusaDrafter(model, build_tree(load_tree("cpu-8")))
+    ids = encode_prompt(tokenizer, chat_prompts[1])
+    runs = [decode(model, ids, drafter, TypicalAcceptance(0.7, generator=torch.Generator().manual_seed(3)), 32)
+            for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 32
+
+
+def test_tree_logits_equal_sequential_decoding_per_path(model, tokenizer, chat_prompts):
+    tree = build_tree(load_tree("cpu-16"))
+    ids = encode_prompt(tokenizer, chat_prompts[2])
+    cache = new_cache(model.backbone)
+    _, _ = prefill(model, ids, cache)
+    before = copy.deepcopy(cache)
+    past = cache.get_seq_length()
+    tokens = torch.randint(0, 49152, (tree.size,), generator=torch.Generator().manual_seed(0))
+    tree_logits, _ = verify(model, Draft(tree, tokens), cache, past)
+    for row in range(tree.retrieve.shape[0]):
+        path = tree.retrieve[row][tree.retrieve_valid[row]]
+        plain = copy.deepcopy(before)
+        with torch.no_grad():
+            seq_logits = model.backbone(tokens[path][None], cache=plain).logits[0]
+        torch.testing.assert_close(tree_logits[path], seq_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_cache_after_a_step_equals_plain_decoding_of_the_accepted_tokens(model, tokenizer, backbone, chat_prompts):
+    tree = build_tree(load_tree("cpu-16"))
+    ids = encode_prompt(tokenizer, chat_prompts[3])
+    reference = hf_greedy(backbone, ids, 8)
+    cache = new_cache(model.backbone)
+    logits, hidden = prefill(model, ids, cache)
+    root = int(logits.argmax())
+    drafter = OracleDrafter(tree, ids.shape[1], reference, seed=5)
+    # Pick a seed whose hidden path is not the first branch, so the gather is not a no-op.
+    state = DecodeState(ids[0].tolist() + [root], root, hidden)
+    accepted, new_tokens, _ = tree_decode_step(model, drafter, GreedyAcceptance(), cache, state)
+    assert accepted.depth >= 2 and accepted.nodes.tolist() != list(range(accepted.depth + 1))
+    kept = torch.cat([ids[0], torch.tensor([root] + new_tokens[:-1])])[None]
+    plain = new_cache(model.backbone)
+    with torch.no_grad():
+        model.backbone(kept, cache=plain)
+    assert cache.get_seq_length() == plain.get_seq_length() == kept.shape[1]
+    for ours, theirs in zip(cache.layers, plain.layers):
+        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours.values, theirs.values, atol=1e-4, rtol=1e-4)
+    assert [root] + new_tokens == reference[: len(new_tokens) + 1]
+
+
+def test_max_new_tokens_and_eos_are_never_overshot(model, tokenizer, references):
+    tree = build_tree(load_tree("cpu-16"))
+    ids, reference = references[4]
+    for limit in (1, 2, 7):
+        ours = decode(model, ids, OracleDrafter(tree, ids.shape[1], reference), max_new_tokens=limit)
+        assert ours == reference[:limit]
+    eos = model.backbone.generation_config.eos_token_id
+    short = next(((ids, ref) for ids, ref in references if eos in ref), None)
+    if short is not None:
+        ids, reference = short
+        ours = decode(model, ids, OracleDrafter(tree, ids.shape[1], reference), max_new_tokens=NEW_TOKENS)
+        assert ours == reference and ours[-1] == eos
