@@ -99,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         import torch
+        import transformers
 
+        if not args.verbose:
+            transformers.logging.set_verbosity_error()
+            transformers.logging.disable_progress_bar()
         if args.threads:
             torch.set_num_threads(args.threads)
         {"generate": _generate, "distill": _distill}[args.command](args)

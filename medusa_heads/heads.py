@@ -64,11 +64,17 @@ class MedusaHeads(PreTrainedModel):
         """hidden_states: [..., H] -> [K, ..., H], before the vocabulary projection."""
         return torch.stack([block(hidden_states) for block in self.blocks])
 
+    def project(self, head: int, states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """One head's vocabulary projection: states [..., H] -> logits [..., V]."""
+        if self.lm_heads is not None:
+            return self.lm_heads[head](states)
+        if lm_head is None:
+            raise ValueError("These heads share the backbone's LM head: pass it as `lm_head=`.")
+        return lm_head(states)
+
     def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
         """hidden_states: [..., H] -> logits [K, ..., V]. `lm_head` is required when the heads share it."""
         states = self.head_states(hidden_states)
         if self.lm_heads is None:
-            if lm_head is None:
-                raise ValueError("These heads share the backbone's LM head: pass it as `lm_head=`.")
-            return lm_head(states)
-        return torch.stack([proj(s) for proj, s in zip(self.lm_heads, states)])
+            return self.project(0, states, lm_head)  # one matmul for all heads
+        return torch.stack([self.project(k, s) for k, s in enumerate(states)])

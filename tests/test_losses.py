@@ -1,0 +1,41 @@
+import math
+
+import torch
+
+from medusa_heads.training.losses import head_targets, head_weights, heads_loss, rank_hits
+
+
+def test_targets_by_hand():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])  # two prompt tokens, four assistant tokens
+    labels, teacher = head_targets(ids, mask, num_heads=2)
+    # head 1 at t predicts ids[t + 2]; head 2 predicts ids[t + 3]
+    assert labels[0, 0].tolist() == [12, 13, 14, 15, -100, -100]
+    assert labels[1, 0].tolist() == [13, 14, 15, -100, -100, -100]
+    # soft targets come from the backbone position that predicts the label: t + k
+    assert teacher[0, 0, :4].tolist() == [1, 2, 3, 4]
+    assert teacher[1, 0, :3].tolist() == [2, 3, 4]
+    mask = torch.tensor([[0, 0, 0, 1, 0, 1]])
+    labels, _ = head_targets(ids, mask, num_heads=2)
+    assert labels[0, 0].tolist() == [-100, 13, -100, 15, -100, -100]
+
+
+def test_decay_weights_and_loss():
+    assert head_weights(3, 0.8) == [0.8, 0.8 ** 2, 0.8 ** 3]
+    V = 5
+    logits = [torch.zeros(2, V), torch.zeros(1, V)]
+    labels = [torch.tensor([1, 2]), torch.tensor([3])]
+    total, per_head = heads_loss(logits, labels, decay=0.5)
+    assert torch.allclose(per_head[0], torch.tensor(math.log(V)))
+    assert torch.allclose(total, torch.tensor(math.log(V) * (0.5 + 0.25)))
+    teacher = [torch.randn(2, V), torch.randn(1, V)]
+    _, kl = heads_loss(teacher, labels, kind="kl", teacher_logits=teacher)
+    assert all(abs(float(x)) < 1e-6 for x in kl)
+    _, kl = heads_loss(logits, labels, kind="kl", teacher_logits=teacher)
+    assert all(float(x) > 0 for x in kl)
+
+
+def test_rank_hits():
+    logits = [torch.tensor([[0.0, 3.0, 2.0, 1.0], [5.0, 0.0, 0.0, 1.0]])]
+    hits, counts = rank_hits(logits, [torch.tensor([2, 0])], top_k=3)
+    assert hits.tolist() == [[1, 1, 0]] and counts.tolist() == [2]

@@ -1,0 +1,95 @@
+"""Training recipes: plain YAML files of overrides on `TrainConfig`, then `--key value` flags."""
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from medusa_heads.errors import MedusaError
+
+
+@dataclass
+class TrainConfig:
+    # backbone
+    model: str = "smollm2-135m-embedded"  # hub id, folder, or the embedded default
+    backbone_dtype: str = "bfloat16"  # the frozen backbone's dtype while making hidden states
+    # data
+    data: str = "training/data/distilled.jsonl"  # jsonl/json/parquet file or folder, or a hub dataset name
+    max_length: int = 512  # tokens per conversation; longer ones are truncated (and counted in the log)
+    held_out_fraction: float = 0.02  # conversations kept aside for per-head accuracy
+    # heads
+    num_heads: int = 4
+    num_layers: int = 1
+    share_lm_head: bool = True  # False: each head owns a projection initialised from the backbone's
+    # objective
+    loss: str = "ce"  # ce: hard labels; kl: the backbone's own distribution (free from the same forward)
+    decay: float = 0.8  # head k weighs decay ** k
+    # optimisation
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 50
+    max_steps: int = 1000
+    min_lr_ratio: float = 0.1  # cosine decay down to this share of learning_rate
+    batch_size: int = 8  # conversations per micro-batch
+    gradient_accumulation_steps: int = 1
+    grad_clip: float = 1.0
+    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    # speed
+    cache_hidden_states: bool = True  # the backbone is frozen: compute its hidden states once, reuse every epoch
+    # bookkeeping
+    output_dir: str = "runs/heads"
+    checkpoint_every: int = 200  # steps
+    eval_every: int = 200
+    log_every: int = 10
+    top_k: int = 10  # ranks recorded in head_accuracies.json
+    seed: int = 0
+    deepspeed_config: str | None = None  # path to a DeepSpeed JSON (ZeRO); None: plain accelerate
+    report_to: str | None = None  # e.g. tensorboard
+
+    def __post_init__(self):
+        if self.loss not in ("ce", "kl"):
+            raise MedusaError(f"`loss` must be ce or kl, got {self.loss!r}.")
+        if not 0 < self.decay <= 1:
+            raise MedusaError(f"`decay` must be in (0, 1], got {self.decay}.")
+        if self.num_heads < 1 or self.max_steps < 1 or self.batch_size < 1:
+            raise MedusaError("`num_heads`, `max_steps` and `batch_size` must be at least 1.")
+        if not 0 <= self.held_out_fraction < 1:
+            raise MedusaError(f"`held_out_fraction` must be in [0, 1), got {self.held_out_fraction}.")
+
+
+def _coerce(name: str, value, default):
+    kind = type(default) if default is not None else str
+    if isinstance(value, str) and kind is not str:
+        if kind is bool:
+            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                raise MedusaError(f"`{name}` takes true or false, got {value!r}.")
+            return value.lower() in ("true", "1", "yes")
+        try:
+            return kind(value)
+        except ValueError:
+            raise MedusaError(f"`{name}` takes a {kind.__name__}, got {value!r}.") from None
+    if value is not None and default is not None and not isinstance(value, kind) and not (
+            kind is float and isinstance(value, int)):
+        raise MedusaError(f"`{name}` takes a {kind.__name__}, got {value!r}.")
+    return float(value) if kind is float and isinstance(value, int) else value
+
+
+def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
+    """Defaults, then the recipe file, then overrides; unknown keys and wrong types are errors."""
+    values = {}
+    if path is not None:
+        try:
+            values = yaml.safe_load(Path(path).read_text()) or {}
+        except FileNotFoundError:
+            raise MedusaError(f"Recipe `{path}` does not exist.") from None
+        except yaml.YAMLError as err:
+            raise MedusaError(f"Recipe `{path}` is not valid YAML: {str(err).splitlines()[0]}") from None
+        if not isinstance(values, dict):
+            raise MedusaError(f"Recipe `{path}` must be a mapping of keys to values.")
+    values.update(overrides or {})
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - set(defaults))
+    if unknown:
+        raise MedusaError(f"Unknown recipe key(s) {', '.join(unknown)}; known: {', '.join(defaults)}.")
+    return TrainConfig(**{k: _coerce(k, v, defaults[k]) for k, v in values.items()})

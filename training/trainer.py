@@ -1,0 +1,210 @@
+"""Medusa-1 training: the backbone is frozen, only the heads learn. Reads in the order it runs."""
+
+import json
+import logging
+import math
+import os
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from medusa_heads.backbone import load_backbone, load_tokenizer
+from medusa_heads.errors import MedusaError
+from medusa_heads.model import untrained_heads
+
+from .data import load_examples
+from .hidden_states import HiddenStateCache, compute_hidden, pad_batch
+from .losses import head_targets, heads_loss, rank_hits
+from .recipe import TrainConfig
+
+logger = logging.getLogger(__name__)
+
+
+def get_lr(step: int, cfg: TrainConfig) -> float:
+    # 1) linear warm-up, 2) cosine decay to min_lr_ratio, 3) flat after max_steps
+    if step < cfg.warmup_steps:
+        return cfg.learning_rate * (step + 1) / cfg.warmup_steps
+    if step >= cfg.max_steps:
+        return cfg.learning_rate * cfg.min_lr_ratio
+    progress = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
+    return cfg.learning_rate * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batch_order(n_examples: int, batch_size: int, epoch: int, seed: int) -> list[list[int]]:
+    perm = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
+    return [perm[i : i + batch_size] for i in range(0, n_examples - batch_size + 1, batch_size)] or [perm]
+
+
+def heads_forward(heads, lm_head, hidden, input_ids, loss_mask, cfg: TrainConfig):
+    """-> (per-head logits at labelled positions, their labels, teacher logits or None)."""
+    labels, teacher_pos = head_targets(input_ids, loss_mask, cfg.num_heads)
+    states = heads.head_states(hidden.to(next(heads.parameters()).dtype))  # [K, B, T, H]
+    logits, targets, teachers = [], [], []
+    for j in range(cfg.num_heads):
+        valid = labels[j] != -100  # [B, T]
+        logits.append(heads.project(j, states[j][valid], lm_head))  # [N_j, V]
+        targets.append(labels[j][valid])
+        if cfg.loss == "kl":
+            b_idx = torch.nonzero(valid, as_tuple=True)[0]
+            with torch.no_grad():
+                teachers.append(lm_head(hidden[b_idx, teacher_pos[j][valid]].to(lm_head.weight.dtype)))
+    return logits, targets, teachers or None
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    done = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return done[-1] if done else None
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> dict:
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, set_seed
+
+    output_dir = Path(cfg.output_dir)
+    plugin = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed_config) if cfg.deepspeed_config else None
+    if cfg.deepspeed_config and not Path(cfg.deepspeed_config).is_file():
+        raise MedusaError(f"DeepSpeed config `{cfg.deepspeed_config}` does not exist.")
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, deepspeed_plugin=plugin,
+                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                              log_with=cfg.report_to, project_dir=str(output_dir))
+    logger.info("world size %d (process %d), device %s", accelerator.num_processes, accelerator.process_index,
+                accelerator.device)
+    set_seed(cfg.seed)
+
+    # Backbone (frozen) and data. Every check that can fail runs before any compute.
+    backbone = load_backbone(cfg.model, dtype=cfg.backbone_dtype, device=accelerator.device)
+    tokenizer = load_tokenizer(cfg.model)
+    examples = load_examples(cfg.data, tokenizer, cfg.max_length)
+    n_held = int(len(examples) * cfg.held_out_fraction)
+    split = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+    held_out = [examples[i] for i in split[:n_held]]
+    train_set = [examples[i] for i in split[n_held:]]
+    all_examples = train_set + held_out  # held-out rows sit after the training rows
+    if len(train_set) < cfg.batch_size:
+        raise MedusaError(f"Only {len(train_set)} training conversations for `batch_size` {cfg.batch_size}.")
+    lm_head = backbone.get_output_embeddings()
+
+    # Heads, optimizer, schedule.
+    heads = untrained_heads(backbone, cfg.model, cfg.num_heads, cfg.num_layers, cfg.share_lm_head)
+    heads = heads.to(torch.float32).train()
+    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: get_lr(s, cfg) / cfg.learning_rate)
+    heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
+    raw_heads = accelerator.unwrap_model(heads)
+    if cfg.report_to:
+        accelerator.init_trackers("medusa-heads", config=asdict(cfg))
+
+    # Hidden states: computed once for all conversations when the backbone is frozen.
+    cache = None
+    if cfg.cache_hidden_states:
+        start = time.perf_counter()
+        cache = HiddenStateCache.build(backbone, cfg.model, all_examples, batch_size=cfg.batch_size)
+        logger.info("hidden states ready in %.1f s", time.perf_counter() - start)
+
+    def batch_inputs(indices: list[int], offset: int):
+        rows = [all_examples[i + offset] for i in indices]
+        ids, mask, attn = pad_batch(rows)
+        hidden = cache.batch([i + offset for i in indices]) if cache else compute_hidden(backbone, ids, attn)
+        dev = accelerator.device
+        return hidden.to(dev), ids.to(dev), mask.to(dev)
+
+    @torch.no_grad()
+    def evaluate() -> dict:
+        heads.eval()
+        hits = torch.zeros(cfg.num_heads, cfg.top_k, dtype=torch.long)
+        counts = torch.zeros(cfg.num_heads, dtype=torch.long)
+        for b in range(0, len(held_out), cfg.batch_size):
+            idx = list(range(b, min(b + cfg.batch_size, len(held_out))))
+            hidden, ids, mask = batch_inputs(idx, len(train_set))
+            logits, targets, _ = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
+            h, c = rank_hits(logits, targets, cfg.top_k)
+            hits += h
+            counts += c
+        heads.train()
+        per_rank = (hits.double() / counts.clamp(min=1)[:, None].double()).tolist()
+        return {"num_heads": cfg.num_heads, "top_k": cfg.top_k, "positions": counts.tolist(),
+                "per_rank": per_rank,  # [head][rank]: share of positions whose label sat at that rank
+                "top1": [r[0] for r in per_rank], "top5": [sum(r[:5]) for r in per_rank]}
+
+    # Resume: weights, optimizer, scheduler and RNG from the last complete checkpoint; data position from step.
+    step = 0
+    if resume:
+        last = latest_checkpoint(output_dir)
+        if last is None:
+            raise MedusaError(f"`--resume` found no checkpoint in `{output_dir}`.")
+        accelerator.load_state(str(last))
+        step = json.loads((last / "trainer.json").read_text())["step"]
+        logger.info("resumed from %s at step %d", last, step)
+
+    def save_checkpoint() -> None:
+        # Written beside, then renamed: a kill leaves the previous checkpoint whole.
+        final = output_dir / f"checkpoint-{step}"
+        tmp = output_dir / f".tmp-checkpoint-{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        accelerator.save_state(str(tmp))
+        (tmp / "trainer.json").write_text(json.dumps({"step": step, "config": asdict(cfg)}, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
+            shutil.rmtree(old)
+
+    per_epoch = len(batch_order(len(train_set), cfg.batch_size, 0, cfg.seed))
+    history = []
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
+    tokens, t0 = 0, time.perf_counter()
+    while step < cfg.max_steps:
+        for micro in range(cfg.gradient_accumulation_steps):
+            position = step * cfg.gradient_accumulation_steps + micro
+            epoch, index = divmod(position, per_epoch)
+            indices = batch_order(len(train_set), cfg.batch_size, epoch, cfg.seed)[index]
+            hidden, ids, mask = batch_inputs(indices, 0)
+            with accelerator.accumulate(heads):
+                logits, targets, teachers = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
+                loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers)
+                if not torch.isfinite(loss):
+                    last = latest_checkpoint(output_dir)
+                    raise MedusaError(f"The loss became {float(loss)} at step {step}; stopped. The last good "
+                                      f"checkpoint is {last or 'none (none was written yet)'}.")
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and cfg.grad_clip > 0:
+                    accelerator.clip_grad_norm_(heads.parameters(), cfg.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            tokens += int(mask.sum())
+        step += 1
+        history.append({"step": step, "loss": loss.item(), "per_head": [x.item() for x in per_head]})
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.max_steps:
+            rate = tokens / (time.perf_counter() - t0)
+            bar.set_postfix(loss=f"{float(loss):.3f}", tok_s=f"{rate:.0f}")
+            logger.info("step %d loss %.4f per head %s lr %.2e %.0f tokens/s", step, float(loss),
+                        " ".join(f"{float(x):.3f}" for x in per_head), scheduler.get_last_lr()[0], rate)
+            if cfg.report_to:
+                accelerator.log({"loss": float(loss), **{f"loss_head{j + 1}": float(x) for j, x in
+                                                          enumerate(per_head)}}, step=step)
+        if held_out and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            acc = evaluate()
+            history[-1]["held_out_top1"] = acc["top1"]
+            logger.info("held-out top-1 per head %s, top-5 %s", " ".join(f"{a:.3f}" for a in acc["top1"]),
+                        " ".join(f"{a:.3f}" for a in acc["top5"]))
+        if step % cfg.checkpoint_every == 0 and accelerator.is_main_process:
+            save_checkpoint()
+    bar.close()
+
+    accelerator.wait_for_everyone()
+    result = {"history": history, "train_tokens_per_second": tokens / (time.perf_counter() - t0)}
+    if accelerator.is_main_process:
+        final = output_dir / "heads"
+        raw_heads.save_pretrained(final)
+        if held_out:
+            result["accuracies"] = evaluate()
+            (final / "head_accuracies.json").write_text(json.dumps(result["accuracies"], indent=1))
+        (output_dir / "history.json").write_text(json.dumps(history))
+        logger.info("saved heads to %s", final)
+    accelerator.end_training()
+    return result
