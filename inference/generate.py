@@ -197,9 +197,9 @@ def _stop_strings(tokenizer: PreTrainedTokenizerBase, strings: Sequence[str]):
     return stop
 
 
-def _eos_ids(model: MedusaModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+def _eos_ids(model: MedusaModel, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
     eos = model.backbone.generation_config.eos_token_id
-    if eos is None:
+    if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
     return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
 

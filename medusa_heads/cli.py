@@ -50,7 +50,32 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     _add_runtime_args(d)
     d.set_defaults(dtype="bfloat16")
+    b = sub.add_parser("bench", help="speed and acceptance of several methods side by side")
+    b.add_argument("--prompts", type=Path, required=True, help="jsonl with `prompt` (and `category`) per line")
+    b.add_argument("--methods", default="hf,hf-lookup,medusa:cpu-8",
+                   help="comma-separated: hf, hf-lookup[:N], medusa:TREE")
+    b.add_argument("--model", help="backbone (default: the embedded SmolLM2-135M-Instruct)")
+    b.add_argument("--heads", help="heads folder (default: the heads shipped for the model)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=1)
+    b.add_argument("--limit", type=int, help="only the first N prompts")
+    b.add_argument("--out", type=Path, default=Path("bench-out"))
+    _add_runtime_args(b)
     return parser
+
+
+def _bench(args) -> None:
+    from medusa_heads.backbone import EMBEDDED_MODEL, load_tokenizer
+    from medusa_heads.bench import bench, markdown, read_bench_prompts, write_report
+    from medusa_heads.model import MedusaModel
+
+    prompts = read_bench_prompts(args.prompts, args.limit)
+    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
+    tokenizer = load_tokenizer(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL)
+    result = bench(model, tokenizer, prompts, args.methods.split(","), args.max_new_tokens, args.repeats)
+    write_report(result, args.out)
+    print(markdown(result))
+    print(f"report: {args.out}/bench.json, {args.out}/bench.md")
 
 
 def _generate(args) -> None:
@@ -106,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             transformers.logging.disable_progress_bar()
         if args.threads:
             torch.set_num_threads(args.threads)
-        {"generate": _generate, "distill": _distill}[args.command](args)
+        {"generate": _generate, "distill": _distill, "bench": _bench}[args.command](args)
     except (MedusaError, StrictDataclassError) as err:
         print(f"medusa-heads: error: {first_line(err)}", file=sys.stderr)
         return 2

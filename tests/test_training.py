@@ -47,7 +47,8 @@ def counting_data(tmp_path_factory):
 def recipe(tiny_backbone, data, out, **kw):
     values = dict(model=str(tiny_backbone), backbone_dtype="float32", data=str(data), output_dir=str(out),
                   num_heads=2, max_steps=40, batch_size=8, learning_rate=1e-2, warmup_steps=4, eval_every=40,
-                  checkpoint_every=20, log_every=10, held_out_fraction=0.1, top_k=3)
+                  checkpoint_every=20, log_every=10, held_out_fraction=0.1, top_k=3,
+                  hidden_cache_dir=str(out.parent / "hidden"))
     values.update(kw)
     return load_recipe(None, {k: v for k, v in values.items()})
 
@@ -71,7 +72,8 @@ def test_a_killed_run_resumes_on_the_same_loss_curve(tiny_backbone, counting_dat
     out = tmp_path / "killed"
     overrides = dict(model=str(tiny_backbone), backbone_dtype="float32", data=str(counting_data), output_dir=str(out),
                      num_heads=2, max_steps=14, batch_size=8, learning_rate=1e-2, warmup_steps=4, eval_every=40,
-                     checkpoint_every=5, log_every=10, held_out_fraction=0.1, top_k=3)
+                     checkpoint_every=5, log_every=10, held_out_fraction=0.1, top_k=3,
+                     hidden_cache_dir=str(tmp_path / "hidden"))
     cmd = [sys.executable, "-m", "medusa_heads.training"] + [a for k, v in overrides.items() for a in (f"--{k}", str(v))]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 300

@@ -37,6 +37,7 @@ class TrainConfig:
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     # speed
     cache_hidden_states: bool = True  # the backbone is frozen: compute its hidden states once, reuse every epoch
+    hidden_cache_dir: str | None = None  # where they are kept (default: ~/.cache/medusa-heads/hidden)
     # bookkeeping
     output_dir: str = "runs/heads"
     checkpoint_every: int = 200  # steps

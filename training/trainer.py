@@ -1,5 +1,6 @@
 """Medusa-1 training: the backbone is frozen, only the heads learn. Reads in the order it runs."""
 
+import copy
 import json
 import logging
 import math
@@ -86,7 +87,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     all_examples = train_set + held_out  # held-out rows sit after the training rows
     if len(train_set) < cfg.batch_size:
         raise MedusaError(f"Only {len(train_set)} training conversations for `batch_size` {cfg.batch_size}.")
-    lm_head = backbone.get_output_embeddings()
+    # The heads train in fp32 (autocast for mixed precision); so does the frozen projection they share.
+    lm_head = copy.deepcopy(backbone.get_output_embeddings()).float().requires_grad_(False)
 
     # Heads, optimizer, schedule.
     heads = untrained_heads(backbone, cfg.model, cfg.num_heads, cfg.num_layers, cfg.share_lm_head)
@@ -102,7 +104,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     cache = None
     if cfg.cache_hidden_states:
         start = time.perf_counter()
-        cache = HiddenStateCache.build(backbone, cfg.model, all_examples, batch_size=cfg.batch_size)
+        cache = HiddenStateCache.build(backbone, cfg.model, all_examples, batch_size=cfg.batch_size,
+                                       folder=Path(cfg.hidden_cache_dir) if cfg.hidden_cache_dir else None)
         logger.info("hidden states ready in %.1f s", time.perf_counter() - start)
 
     def batch_inputs(indices: list[int], offset: int):
@@ -120,7 +123,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         for b in range(0, len(held_out), cfg.batch_size):
             idx = list(range(b, min(b + cfg.batch_size, len(held_out))))
             hidden, ids, mask = batch_inputs(idx, len(train_set))
-            logits, targets, _ = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
+            with accelerator.autocast():
+                logits, targets, _ = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
             h, c = rank_hits(logits, targets, cfg.top_k)
             hits += h
             counts += c
@@ -162,7 +166,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
             epoch, index = divmod(position, per_epoch)
             indices = batch_order(len(train_set), cfg.batch_size, epoch, cfg.seed)[index]
             hidden, ids, mask = batch_inputs(indices, 0)
-            with accelerator.accumulate(heads):
+            with accelerator.accumulate(heads), accelerator.autocast():
                 logits, targets, teachers = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
                 loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers)
                 if not torch.isfinite(loss):

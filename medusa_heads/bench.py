@@ -1,0 +1,162 @@
+"""`medusa-heads bench`: methods side by side on the same prompts, interleaved in one process.
+
+Every method decodes every prompt `repeats` times, in rotating order, after a warm-up; the speed-up of a
+method is the median over prompts of its tokens/s divided by HF greedy's on the same prompt.
+"""
+
+import json
+import platform
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from medusa_heads.errors import MedusaError
+from medusa_heads.inference import GenerationStats, MedusaDrafter, generate_ids
+from medusa_heads.inference.generate import _eos_ids, encode_prompt
+from medusa_heads.tree import build_tree, load_tree
+
+
+@dataclass
+class Run:
+    token_ids: list[int]
+    seconds: float
+    stats: GenerationStats | None = None
+
+
+def hf_method(prompt_lookup: int | None = None):
+    def run(model, input_ids, max_new_tokens):
+        kw = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+        start = time.perf_counter()
+        out = model.backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                      max_new_tokens=max_new_tokens, **kw)
+        return Run(out[0, input_ids.shape[1]:].tolist(), time.perf_counter() - start)
+    return run
+
+
+def medusa_method(tree_name: str):
+    drafters = {}
+
+    def run(model, input_ids, max_new_tokens):
+        if id(model) not in drafters:
+            drafters[id(model)] = MedusaDrafter(model, build_tree(load_tree(tree_name), model.device))
+        stats = GenerationStats()
+        eos = _eos_ids(model, None)
+        start = time.perf_counter()
+        ids = [t for chunk in generate_ids(model, input_ids, drafters[id(model)], None, max_new_tokens, eos, None,
+                                           stats) for t in chunk]
+        return Run(ids, time.perf_counter() - start, stats)
+    return run
+
+
+def make_methods(names: list[str]) -> dict:
+    methods = {}
+    for name in names:
+        if name == "hf":
+            methods[name] = hf_method()
+        elif name.startswith("hf-lookup"):
+            methods[name] = hf_method(int(name.split(":")[1]) if ":" in name else 10)
+        elif name.startswith("medusa:"):
+            load_tree(name.split(":", 1)[1])  # fail now on a bad tree, not after the warm-up
+            methods[name] = medusa_method(name.split(":", 1)[1])
+        else:
+            raise MedusaError(f"Unknown method `{name}`; use hf, hf-lookup[:N] or medusa:TREE.")
+    if "hf" not in methods:
+        methods = {"hf": hf_method(), **methods}  # the baseline every ratio is against
+    return methods
+
+
+def read_bench_prompts(path: Path, limit: int | None) -> list[dict]:
+    if not path.is_file():
+        raise MedusaError(f"Prompt file `{path}` does not exist.")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+                rows.append({"id": str(row.get("id", n)), "category": row.get("category", "all"),
+                             "prompt": row["prompt"]})
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise MedusaError(f"{path}:{n} is not a JSON object with a `prompt`.") from None
+    return rows[:limit]
+
+
+def fingerprint(model) -> dict:
+    return {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+            "threads": torch.get_num_threads(), "dtype": str(model.backbone.dtype), "device": str(model.device),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+
+
+def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_new_tokens: int = 128,
+          repeats: int = 1) -> dict:
+    methods = make_methods(method_names)
+    encoded = [encode_prompt(tokenizer, p["prompt"]).to(model.device) for p in prompts]
+    for run in methods.values():  # warm-up
+        run(model, encoded[0], 16)
+    rows = []
+    order = list(methods)
+    for i, (p, ids) in enumerate(tqdm(list(zip(prompts, encoded)), desc="bench", unit="prompt")):
+        runs = defaultdict(list)
+        for r in range(repeats):
+            rotation = order[(i + r) % len(order):] + order[: (i + r) % len(order)]
+            for name in rotation:
+                runs[name].append(methods[name](model, ids, max_new_tokens))
+        base = runs["hf"][0].token_ids
+        for name, rs in runs.items():
+            tps = [len(x.token_ids) / x.seconds for x in rs]
+            stats = rs[0].stats
+            rows.append({"prompt": p["id"], "category": p["category"], "method": name,
+                         "tokens": len(rs[0].token_ids), "tokens_per_second": statistics.median(tps),
+                         "identical_to_hf": rs[0].token_ids == base,
+                         "accepted_lengths": stats.accepted_lengths if stats else None,
+                         "head_acceptance": stats.head_acceptance if stats else None})
+    return {"fingerprint": fingerprint(model), "max_new_tokens": max_new_tokens, "repeats": repeats,
+            "rows": rows, "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict]) -> dict:
+    base = {r["prompt"]: r["tokens_per_second"] for r in rows if r["method"] == "hf"}
+    summary = {}
+    for name in dict.fromkeys(r["method"] for r in rows):
+        mine = [r for r in rows if r["method"] == name]
+        ratios = [r["tokens_per_second"] / base[r["prompt"]] for r in mine]
+        lengths = [a for r in mine for a in (r["accepted_lengths"] or [])]
+        by_cat = defaultdict(list)
+        for r, ratio in zip(mine, ratios):
+            by_cat[r["category"]].append(ratio)
+        summary[name] = {
+            "tokens_per_second": statistics.median(r["tokens_per_second"] for r in mine),
+            "speedup_median": statistics.median(ratios),
+            "speedup_min": min(ratios), "speedup_max": max(ratios),
+            "mean_accepted_length": sum(lengths) / len(lengths) if lengths else None,
+            "identical_outputs": sum(r["identical_to_hf"] for r in mine), "prompts": len(mine),
+            "speedup_by_category": {c: statistics.median(v) for c, v in by_cat.items()},
+        }
+    return summary
+
+
+def markdown(result: dict) -> str:
+    lines = ["| method | tokens/s (median) | speed-up vs HF greedy (median, min-max) | mean accepted length | "
+             "identical to HF greedy |", "|---|---|---|---|---|"]
+    for name, s in result["summary"].items():
+        mal = f"{s['mean_accepted_length']:.2f}" if s["mean_accepted_length"] else "1.00"
+        lines.append(f"| {name} | {s['tokens_per_second']:.1f} | {s['speedup_median']:.2f}x "
+                     f"({s['speedup_min']:.2f}-{s['speedup_max']:.2f}) | {mal} | "
+                     f"{s['identical_outputs']}/{s['prompts']} |")
+    fp = result["fingerprint"]
+    lines.append(f"\n{fp['dtype']} on {fp['device']} ({fp['cpu']}, {fp['threads']} threads), torch {fp['torch']}, "
+                 f"transformers {fp['transformers']}, {result['max_new_tokens']} new tokens, "
+                 f"{result['repeats']} repeat(s).")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.json").write_text(json.dumps(result, indent=1))
+    (out / "bench.md").write_text(markdown(result))
