@@ -94,9 +94,17 @@ def fingerprint(model) -> dict:
 
 
 def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_new_tokens: int = 128,
-          repeats: int = 1) -> dict:
+          repeats: int = 1, fp32_backbone=None) -> dict:
+    """`fp32_backbone`: when the model runs in lower precision, the fp32 greedy outputs to compare against
+    (greedy exactness is an fp32 property; bf16 rounding alone changes greedy outputs)."""
     methods = make_methods(method_names)
     encoded = [encode_prompt(tokenizer, p["prompt"]).to(model.device) for p in prompts]
+    fp32_outputs = None
+    if fp32_backbone is not None:
+        fp32_outputs = [fp32_backbone.generate(ids.to(fp32_backbone.device), do_sample=False,
+                                               attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens
+                                               )[0, ids.shape[1]:].tolist()
+                        for ids in tqdm(encoded, desc="fp32 reference", unit="prompt")]
     for run in methods.values():  # warm-up
         run(model, encoded[0], 16)
     rows = []
@@ -114,6 +122,7 @@ def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_ne
             rows.append({"prompt": p["id"], "category": p["category"], "method": name,
                          "tokens": len(rs[0].token_ids), "tokens_per_second": statistics.median(tps),
                          "identical_to_hf": rs[0].token_ids == base,
+                         "identical_to_fp32": rs[0].token_ids == fp32_outputs[i] if fp32_outputs else None,
                          "accepted_lengths": stats.accepted_lengths if stats else None,
                          "head_acceptance": stats.head_acceptance if stats else None})
     return {"fingerprint": fingerprint(model), "max_new_tokens": max_new_tokens, "repeats": repeats,
@@ -136,19 +145,24 @@ def summarize(rows: list[dict]) -> dict:
             "speedup_min": min(ratios), "speedup_max": max(ratios),
             "mean_accepted_length": sum(lengths) / len(lengths) if lengths else None,
             "identical_outputs": sum(r["identical_to_hf"] for r in mine), "prompts": len(mine),
+            "identical_to_fp32": (sum(r["identical_to_fp32"] for r in mine)
+                                  if mine[0]["identical_to_fp32"] is not None else None),
             "speedup_by_category": {c: statistics.median(v) for c, v in by_cat.items()},
         }
     return summary
 
 
 def markdown(result: dict) -> str:
+    fp32 = next(iter(result["summary"].values()))["identical_to_fp32"] is not None
     lines = ["| method | tokens/s (median) | speed-up vs HF greedy (median, min-max) | mean accepted length | "
-             "identical to HF greedy |", "|---|---|---|---|---|"]
+             "identical to HF greedy |" + (" identical to fp32 greedy |" if fp32 else ""),
+             "|---|---|---|---|---|" + ("---|" if fp32 else "")]
     for name, s in result["summary"].items():
         mal = f"{s['mean_accepted_length']:.2f}" if s["mean_accepted_length"] else "1.00"
         lines.append(f"| {name} | {s['tokens_per_second']:.1f} | {s['speedup_median']:.2f}x "
                      f"({s['speedup_min']:.2f}-{s['speedup_max']:.2f}) | {mal} | "
-                     f"{s['identical_outputs']}/{s['prompts']} |")
+                     f"{s['identical_outputs']}/{s['prompts']} |"
+                     + (f" {s['identical_to_fp32']}/{s['prompts']} |" if fp32 else ""))
     fp = result["fingerprint"]
     lines.append(f"\n{fp['dtype']} on {fp['device']} ({fp['cpu']}, {fp['threads']} threads), torch {fp['torch']}, "
                  f"transformers {fp['transformers']}, {result['max_new_tokens']} new tokens, "

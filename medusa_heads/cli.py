@@ -60,19 +60,27 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--limit", type=int, help="only the first N prompts")
     b.add_argument("--out", type=Path, default=Path("bench-out"))
+    b.add_argument("--no-fp32-reference", action="store_true",
+                   help="in bf16/fp16, skip comparing outputs with fp32 greedy")
     _add_runtime_args(b)
     return parser
 
 
 def _bench(args) -> None:
-    from medusa_heads.backbone import EMBEDDED_MODEL, load_tokenizer
+    import torch
+
+    from medusa_heads.backbone import EMBEDDED_MODEL, load_backbone, load_tokenizer
     from medusa_heads.bench import bench, markdown, read_bench_prompts, write_report
     from medusa_heads.model import MedusaModel
 
     prompts = read_bench_prompts(args.prompts, args.limit)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     tokenizer = load_tokenizer(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL)
-    result = bench(model, tokenizer, prompts, args.methods.split(","), args.max_new_tokens, args.repeats)
+    fp32 = None
+    if model.backbone.dtype != torch.float32 and not args.no_fp32_reference:
+        fp32 = load_backbone(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL,
+                             dtype=torch.float32, device=args.device)
+    result = bench(model, tokenizer, prompts, args.methods.split(","), args.max_new_tokens, args.repeats, fp32)
     write_report(result, args.out)
     print(markdown(result))
     print(f"report: {args.out}/bench.json, {args.out}/bench.md")

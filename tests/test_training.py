@@ -111,3 +111,28 @@ def test_lr_schedule():
     cfg = load_recipe(None, {"learning_rate": 1.0, "warmup_steps": 10, "max_steps": 110, "min_lr_ratio": 0.1})
     assert get_lr(0, cfg) == pytest.approx(0.1) and get_lr(9, cfg) == pytest.approx(1.0)
     assert get_lr(60, cfg) == pytest.approx(0.55) and get_lr(110, cfg) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_zero_runs_on_cpu_and_resumes(tiny_backbone, counting_data, tmp_path, stage):
+    """In a subprocess (DeepSpeed sets up torch.distributed, which would leak into later tests)."""
+    out = tmp_path / f"zero{stage}"
+    overrides = dict(model=str(tiny_backbone), backbone_dtype="float32", data=str(counting_data), output_dir=str(out),
+                     num_heads=2, max_steps=6, batch_size=8, learning_rate=1e-2, warmup_steps=2, eval_every=6,
+                     checkpoint_every=3, held_out_fraction=0.1, top_k=3, share_lm_head=False,
+                     deepspeed_config=f"configs/deepspeed/zero{stage}.json", hidden_cache_dir=str(tmp_path / "hidden"))
+    args = [a for k, v in overrides.items() for a in (f"--{k}", str(v))]
+    first = subprocess.run([sys.executable, "-m", "medusa_heads.training", *args], capture_output=True, text=True,
+                           timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "world size 1 (process 0)" in first.stderr and f"DeepSpeed ZeRO-{stage}" in first.stderr
+    history = json.loads((out / "history.json").read_text())
+    assert len(history) == 6 and all(h["loss"] == h["loss"] for h in history)
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert load_heads(out / "heads").config.num_heads == 2
+    # resume from checkpoint-3 of a longer run: DeepSpeed's own checkpoint format round-trips
+    resumed = subprocess.run([sys.executable, "-m", "medusa_heads.training", *args, "--max_steps", "9", "--resume"],
+                             capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stderr and "at step 6" in resumed.stderr
+    assert len(json.loads((out / "history.json").read_text())) == 3

@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -56,6 +57,12 @@ def heads_forward(heads, lm_head, hidden, input_ids, loss_mask, cfg: TrainConfig
     return logits, targets, teachers or None
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     done = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     return done[-1] if done else None
@@ -65,19 +72,18 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin, set_seed
 
+    set_seed(cfg.seed)
     output_dir = Path(cfg.output_dir)
-    plugin = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed_config) if cfg.deepspeed_config else None
     if cfg.deepspeed_config and not Path(cfg.deepspeed_config).is_file():
         raise MedusaError(f"DeepSpeed config `{cfg.deepspeed_config}` does not exist.")
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, deepspeed_plugin=plugin,
-                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              log_with=cfg.report_to, project_dir=str(output_dir))
-    logger.info("world size %d (process %d), device %s", accelerator.num_processes, accelerator.process_index,
-                accelerator.device)
-    set_seed(cfg.seed)
-
-    # Backbone (frozen) and data. Every check that can fail runs before any compute.
-    backbone = load_backbone(cfg.model, dtype=cfg.backbone_dtype, device=accelerator.device)
+    if cfg.deepspeed_config and "RANK" not in os.environ:
+        # Not started by a launcher: one process, so set up the rendezvous a launcher would have.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    # Backbone (frozen), data and heads, made before the Accelerator: under ZeRO-3 anything built after it
+    # is partitioned on construction, and the frozen backbone must stay whole. Every check that can fail
+    # runs here, before any compute.
+    backbone = load_backbone(cfg.model, dtype=cfg.backbone_dtype)
     tokenizer = load_tokenizer(cfg.model)
     examples = load_examples(cfg.data, tokenizer, cfg.max_length)
     n_held = int(len(examples) * cfg.held_out_fraction)
@@ -90,9 +96,25 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     # The heads train in fp32 (autocast for mixed precision); so does the frozen projection they share.
     lm_head = copy.deepcopy(backbone.get_output_embeddings()).float().requires_grad_(False)
 
-    # Heads, optimizer, schedule.
     heads = untrained_heads(backbone, cfg.model, cfg.num_heads, cfg.num_layers, cfg.share_lm_head)
     heads = heads.to(torch.float32).train()
+
+    # Accelerate (and DeepSpeed when configured), then optimizer and schedule.
+    plugin = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed_config) if cfg.deepspeed_config else None
+    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, deepspeed_plugin=plugin,
+                              gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+                              log_with=cfg.report_to, project_dir=str(output_dir))
+    if plugin is not None:
+        # We feed batches ourselves (no DataLoader), so DeepSpeed's "auto" sizes are filled in here.
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = cfg.batch_size
+        ds["gradient_accumulation_steps"] = cfg.gradient_accumulation_steps
+        ds["train_batch_size"] = cfg.batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes
+    logger.info("world size %d (process %d), device %s%s", accelerator.num_processes, accelerator.process_index,
+                accelerator.device, f", DeepSpeed ZeRO-{plugin.zero_stage}" if plugin else "")
+    backbone.to(accelerator.device)
+    lm_head.to(accelerator.device)
+
     optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: get_lr(s, cfg) / cfg.learning_rate)
     heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
@@ -171,7 +193,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
                 loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers)
                 if not torch.isfinite(loss):
                     last = latest_checkpoint(output_dir)
-                    raise MedusaError(f"The loss became {float(loss)} at step {step}; stopped. The last good "
+                    raise MedusaError(f"The loss became {loss.item()} at step {step}; stopped. The last good "
                                       f"checkpoint is {last or 'none (none was written yet)'}.")
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.grad_clip > 0:
@@ -185,11 +207,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = tokens / (time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{float(loss):.3f}", tok_s=f"{rate:.0f}")
-            logger.info("step %d loss %.4f per head %s lr %.2e %.0f tokens/s", step, float(loss),
+            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{rate:.0f}")
+            logger.info("step %d loss %.4f per head %s lr %.2e %.0f tokens/s", step, loss.item(),
                         " ".join(f"{float(x):.3f}" for x in per_head), scheduler.get_last_lr()[0], rate)
             if cfg.report_to:
-                accelerator.log({"loss": float(loss), **{f"loss_head{j + 1}": float(x) for j, x in
+                accelerator.log({"loss": loss.item(), **{f"loss_head{j + 1}": float(x) for j, x in
                                                           enumerate(per_head)}}, step=step)
         if held_out and (step % cfg.eval_every == 0 or step == cfg.max_steps):
             acc = evaluate()
@@ -202,9 +224,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
 
     accelerator.wait_for_everyone()
     result = {"history": history, "train_tokens_per_second": tokens / (time.perf_counter() - t0)}
+    state_dict = accelerator.get_state_dict(heads)  # gathered from all ranks under ZeRO-3; every rank takes part
     if accelerator.is_main_process:
         final = output_dir / "heads"
-        raw_heads.save_pretrained(final)
+        raw_heads.save_pretrained(final, state_dict=state_dict)
         if held_out:
             result["accuracies"] = evaluate()
             (final / "head_accuracies.json").write_text(json.dumps(result["accuracies"], indent=1))

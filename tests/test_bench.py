@@ -1,0 +1,22 @@
+from medusa_heads.bench import markdown, summarize
+
+
+def test_speedup_is_the_median_per_prompt_ratio_against_hf():
+    rows = []
+    for prompt, base, fast in [("a", 10.0, 15.0), ("b", 20.0, 20.0), ("c", 5.0, 10.0)]:
+        rows.append({"prompt": prompt, "category": "x" if prompt != "c" else "y", "method": "hf",
+                     "tokens_per_second": base, "identical_to_hf": True, "identical_to_fp32": None,
+                     "accepted_lengths": None})
+        rows.append({"prompt": prompt, "category": "x" if prompt != "c" else "y", "method": "medusa:cpu-8",
+                     "tokens_per_second": fast, "identical_to_hf": prompt != "b", "identical_to_fp32": None,
+                     "accepted_lengths": [1, 2, 3]})
+    summary = summarize(rows)
+    assert summary["hf"]["speedup_median"] == 1.0
+    m = summary["medusa:cpu-8"]
+    assert m["speedup_median"] == 1.5 and m["speedup_min"] == 1.0 and m["speedup_max"] == 2.0
+    assert m["speedup_by_category"] == {"x": 1.25, "y": 2.0}
+    assert m["mean_accepted_length"] == 2.0 and m["identical_outputs"] == 2
+    table = markdown({"summary": summary, "max_new_tokens": 8, "repeats": 1,
+                      "fingerprint": {"dtype": "float32", "device": "cpu", "cpu": "x", "threads": 2,
+                                      "torch": "t", "transformers": "t"}})
+    assert "| medusa:cpu-8 | 15.0 | 1.50x (1.00-2.00) | 2.00 | 2/3 |" in table
