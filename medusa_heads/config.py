@@ -16,6 +16,8 @@ class MedusaConfig(PreTrainedConfig):
             Hub id, local folder or embedded alias of the backbone the heads were trained on.
         base_model_gguf_file (`str`, *optional*):
             GGUF file name inside `base_model_name_or_path`, when the backbone is loaded from GGUF.
+        base_model_adapter (`str`, *optional*):
+            Subfolder of the heads holding a peft LoRA adapter trained with them (Medusa-2); loading applies it.
         num_heads (`int`, defaults to 4):
             Number of heads K; head k (0-based) predicts the token k + 2 positions after the hidden state.
         num_layers (`int`, defaults to 1):
@@ -41,6 +43,7 @@ class MedusaConfig(PreTrainedConfig):
 
     base_model_name_or_path: str | None = None
     base_model_gguf_file: str | None = None
+    base_model_adapter: str | None = None
     num_heads: int = 4
     num_layers: int = 1
     hidden_size: int = 576

@@ -79,6 +79,18 @@ def untrained_heads(backbone: PreTrainedModel, name_or_path: str, num_heads: int
     return heads.to(device=backbone.device, dtype=backbone.dtype)
 
 
+def apply_adapter(backbone: PreTrainedModel, heads_path: str | Path, subfolder: str) -> PreTrainedModel:
+    """Merge the LoRA adapter saved with Medusa-2 heads into the backbone (merged: no extra cost per token)."""
+    from peft import PeftModel
+
+    try:
+        adapted = PeftModel.from_pretrained(backbone, str(heads_path), subfolder=subfolder)
+    except (OSError, ValueError) as err:
+        raise MedusaError(f"Cannot load the adapter `{subfolder}` saved with the heads `{heads_path}`: "
+                          f"{first_line(err)}") from err
+    return adapted.merge_and_unload().eval().requires_grad_(False)
+
+
 class MedusaModel(nn.Module):
     r"""
     A frozen backbone and its Medusa heads, ready for `medusa_heads.inference.generate`.
@@ -136,6 +148,8 @@ class MedusaModel(nn.Module):
             name = base_model or (heads.config.base_model_name_or_path if heads else None) or EMBEDDED_MODEL
             gguf = heads.config.base_model_gguf_file if heads and not base_model else None
             backbone = load_backbone(name, gguf_file=gguf, dtype=dtype, device=device)
+        if heads is not None and heads.config.base_model_adapter:
+            backbone = apply_adapter(backbone, heads_path, heads.config.base_model_adapter)
         if heads is None:
             logger.warning("No trained heads for `%s`: using %d untrained heads (exact, but few tokens accepted).",
                            name, num_heads)

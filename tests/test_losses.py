@@ -39,3 +39,17 @@ def test_rank_hits():
     logits = [torch.tensor([[0.0, 3.0, 2.0, 1.0], [5.0, 0.0, 0.0, 1.0]])]
     hits, counts = rank_hits(logits, [torch.tensor([2, 0])], top_k=3)
     assert hits.tolist() == [[1, 1, 0]] and counts.tolist() == [2]
+
+
+def test_backbone_kl_counts_only_positions_predicting_assistant_tokens():
+    from medusa_heads.training.losses import backbone_kl
+
+    teacher = torch.randn(1, 4, 6)
+    student = teacher.clone()
+    mask = torch.tensor([[0, 0, 1, 1]])  # positions 1 and 2 predict assistant tokens
+    assert float(backbone_kl(student, teacher, mask)) < 1e-6
+    student[0, 0] += torch.randn(6) * 5  # position 0 predicts a prompt token: ignored
+    student[0, 3] += torch.randn(6) * 5  # the last position predicts nothing: ignored
+    assert float(backbone_kl(student, teacher, mask)) < 1e-6
+    student[0, 1] += torch.randn(6) * 5
+    assert float(backbone_kl(student, teacher, mask)) > 0.01

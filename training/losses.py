@@ -61,3 +61,14 @@ def rank_hits(logits: list[torch.Tensor], labels: list[torch.Tensor], top_k: int
             hits[j] += (top == lb[:, None]).sum(dim=0).cpu()
             counts[j] += lb.numel()
     return hits, counts
+
+
+def backbone_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Medusa-2's backbone loss: KL(teacher || student) at the positions that predict an assistant token.
+
+    student_logits, teacher_logits: [B, T, V]; loss_mask: [B, T].
+    """
+    predicts = loss_mask[:, 1:].bool()  # position t predicts token t + 1
+    student = student_logits[:, :-1][predicts].float()
+    teacher = teacher_logits[:, :-1][predicts].float()
+    return F.kl_div(F.log_softmax(student, -1), F.log_softmax(teacher, -1), log_target=True, reduction="batchmean")

@@ -35,6 +35,15 @@ class TrainConfig:
     gradient_accumulation_steps: int = 1
     grad_clip: float = 1.0
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    # Medusa-2: LoRA adapters on the backbone train with the heads; the backbone keeps close to its original
+    # self by KL to the same model with the adapters disabled (no second copy in memory)
+    medusa2: bool = False
+    lora_r: int = 16
+    lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"  # comma-separated module names
+    heads_loss_weight: float = 0.2  # lambda: total = backbone KL + lambda * heads loss
+    heads_warmup_steps: int = 100  # heads-only steps before the adapters start to train
     # speed
     cache_hidden_states: bool = True  # the backbone is frozen: compute its hidden states once, reuse every epoch
     hidden_cache_dir: str | None = None  # where they are kept (default: ~/.cache/medusa-heads/hidden)
@@ -55,6 +64,11 @@ class TrainConfig:
             raise MedusaError(f"`decay` must be in (0, 1], got {self.decay}.")
         if self.num_heads < 1 or self.max_steps < 1 or self.batch_size < 1:
             raise MedusaError("`num_heads`, `max_steps` and `batch_size` must be at least 1.")
+        if self.medusa2 and self.cache_hidden_states:
+            raise MedusaError("`medusa2` trains the backbone, so its hidden states change: set "
+                              "`cache_hidden_states: false`.")
+        if self.medusa2 and self.deepspeed_config:
+            raise MedusaError("`medusa2` with `deepspeed_config` is not supported yet; use plain accelerate.")
         if not 0 <= self.held_out_fraction < 1:
             raise MedusaError(f"`held_out_fraction` must be in [0, 1), got {self.held_out_fraction}.")
 

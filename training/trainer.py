@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from medusa_heads.backbone import load_backbone, load_tokenizer
+from medusa_heads.backbone import backbone_forward, load_backbone, load_tokenizer
 from medusa_heads.errors import MedusaError
 from medusa_heads.model import untrained_heads
 
 from .data import load_examples
 from .hidden_states import HiddenStateCache, compute_hidden, pad_batch
-from .losses import head_targets, heads_loss, rank_hits
+from .losses import backbone_kl, head_targets, heads_loss, rank_hits
 from .recipe import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -98,6 +98,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
 
     heads = untrained_heads(backbone, cfg.model, cfg.num_heads, cfg.num_layers, cfg.share_lm_head)
     heads = heads.to(torch.float32).train()
+    if cfg.medusa2:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                          target_modules=[m.strip() for m in cfg.lora_target_modules.split(",")], task_type="CAUSAL_LM")
+        backbone = get_peft_model(backbone, lora)
 
     # Accelerate (and DeepSpeed when configured), then optimizer and schedule.
     plugin = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed_config) if cfg.deepspeed_config else None
@@ -115,9 +121,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     backbone.to(accelerator.device)
     lm_head.to(accelerator.device)
 
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+    trainable = list(heads.parameters()) + [p for p in backbone.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: get_lr(s, cfg) / cfg.learning_rate)
-    heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
+    if cfg.medusa2:  # the adapters are trained state too: checkpoints must hold them
+        heads, backbone, optimizer, scheduler = accelerator.prepare(heads, backbone, optimizer, scheduler)
+    else:
+        heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
     raw_heads = accelerator.unwrap_model(heads)
     if cfg.report_to:
         accelerator.init_trackers("medusa-heads", config=asdict(cfg))
@@ -136,6 +146,20 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         hidden = cache.batch([i + offset for i in indices]) if cache else compute_hidden(backbone, ids, attn)
         dev = accelerator.device
         return hidden.to(dev), ids.to(dev), mask.to(dev)
+
+    def medusa2_loss(indices: list[int]):
+        """Heads loss on the adapted backbone's hidden states, plus its KL to itself without adapters."""
+        ids, mask, attn = (t.to(accelerator.device) for t in pad_batch([all_examples[i] for i in indices]))
+        warm = step < cfg.heads_warmup_steps
+        with torch.set_grad_enabled(not warm):
+            student, hidden = backbone_forward(backbone, ids, None, attention_mask=attn)
+        logits, targets, teachers = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
+        heads_total, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers)
+        if warm:
+            return heads_total, per_head, mask
+        with torch.no_grad(), accelerator.unwrap_model(backbone).disable_adapter():
+            teacher, _ = backbone_forward(backbone, ids, None, attention_mask=attn)
+        return backbone_kl(student, teacher, mask) + cfg.heads_loss_weight * heads_total, per_head, mask
 
     @torch.no_grad()
     def evaluate() -> dict:
@@ -187,17 +211,20 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
             position = step * cfg.gradient_accumulation_steps + micro
             epoch, index = divmod(position, per_epoch)
             indices = batch_order(len(train_set), cfg.batch_size, epoch, cfg.seed)[index]
-            hidden, ids, mask = batch_inputs(indices, 0)
             with accelerator.accumulate(heads), accelerator.autocast():
-                logits, targets, teachers = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
-                loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers)
+                if cfg.medusa2:
+                    loss, per_head, mask = medusa2_loss(indices)
+                else:
+                    hidden, ids, mask = batch_inputs(indices, 0)
+                    logits, targets, teachers = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
+                    loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers)
                 if not torch.isfinite(loss):
                     last = latest_checkpoint(output_dir)
                     raise MedusaError(f"The loss became {loss.item()} at step {step}; stopped. The last good "
                                       f"checkpoint is {last or 'none (none was written yet)'}.")
                 accelerator.backward(loss)
                 if accelerator.sync_gradients and cfg.grad_clip > 0:
-                    accelerator.clip_grad_norm_(heads.parameters(), cfg.grad_clip)
+                    accelerator.clip_grad_norm_(trainable, cfg.grad_clip)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
@@ -227,6 +254,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     state_dict = accelerator.get_state_dict(heads)  # gathered from all ranks under ZeRO-3; every rank takes part
     if accelerator.is_main_process:
         final = output_dir / "heads"
+        if cfg.medusa2:
+            raw_heads.config.base_model_adapter = "adapter"
+            accelerator.unwrap_model(backbone).save_pretrained(final / "adapter")  # the adapter weights only
         raw_heads.save_pretrained(final, state_dict=state_dict)
         if held_out:
             result["accuracies"] = evaluate()
