@@ -174,3 +174,27 @@ def test_medusa2_trains_adapters_and_keeps_the_backbone_close(tiny_backbone, cou
 def test_medusa2_needs_live_hidden_states():
     with pytest.raises(MedusaError, match="cache_hidden_states"):
         load_recipe(None, {"medusa2": True})
+
+
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tiny_backbone, counting_data, tmp_path):
+    out = tmp_path / "nan"
+    with pytest.raises(MedusaError, match=r"The loss became (nan|inf).*checkpoint-\d+"):
+        train(recipe(tiny_backbone, counting_data, out, learning_rate=1e30, warmup_steps=1, checkpoint_every=1,
+                     max_steps=30, share_lm_head=False))
+    last = max(out.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    assert json.loads((last / "trainer.json").read_text())["step"] >= 1
+    assert not (out / "heads").exists()
+
+
+def test_shipped_recipes_and_deepspeed_configs_are_valid():
+    from pathlib import Path
+
+    configs = Path(__file__).parent.parent / "configs"
+    recipes = sorted(configs.glob("*.yaml"))
+    assert {"smollm2-135m", "smollm2-135m-medusa2", "llama-7b-1gpu", "llama-7b-8gpu-zero2",
+            "llama-7b-8gpu-zero3"} <= {p.stem for p in recipes}
+    for path in recipes:
+        cfg = load_recipe(path)
+        if cfg.deepspeed_config:
+            ds = json.loads((configs.parent / cfg.deepspeed_config).read_text())
+            assert ds["zero_optimization"]["stage"] in (2, 3)

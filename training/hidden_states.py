@@ -3,6 +3,7 @@
 import hashlib
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -68,7 +69,7 @@ class HiddenStateCache:
             for row, i in enumerate(idx):
                 states[i] = hidden[row, : len(examples[i].input_ids)].clone()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes building the same cache do not collide
         lengths = torch.tensor([s.shape[0] for s in states])
         save_file({"hidden": torch.cat(states).contiguous(), "lengths": lengths}, tmp)
         tmp.replace(path)

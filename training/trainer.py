@@ -202,7 +202,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         for old in sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
             shutil.rmtree(old)
 
-    per_epoch = len(batch_order(len(train_set), cfg.batch_size, 0, cfg.seed))
+    # Each process takes its own micro-batches: rank r gets every world-size-th batch of the shared order.
+    world, rank = accelerator.num_processes, accelerator.process_index
+    per_epoch = max(len(batch_order(len(train_set), cfg.batch_size, 0, cfg.seed)) // world, 1)
     history = []
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     tokens, t0 = 0, time.perf_counter()
@@ -210,7 +212,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         for micro in range(cfg.gradient_accumulation_steps):
             position = step * cfg.gradient_accumulation_steps + micro
             epoch, index = divmod(position, per_epoch)
-            indices = batch_order(len(train_set), cfg.batch_size, epoch, cfg.seed)[index]
+            indices = batch_order(len(train_set), cfg.batch_size, epoch, cfg.seed)[index * world + rank]
             with accelerator.accumulate(heads), accelerator.autocast():
                 if cfg.medusa2:
                     loss, per_head, mask = medusa2_loss(indices)
