@@ -1,7 +1,7 @@
 """Tree decoding: propose candidates, verify them in one backbone forward, accept, compact the cache."""
 
 from .acceptance import Accepted, GreedyAcceptance, TypicalAcceptance, make_acceptance
-from .drafters import Draft, MedusaDrafter
+from .drafters import Draft, MedusaDrafter, MedusaNgramDrafter, make_drafter, ngram_lookup
 from .generate import Generation, GenerationStats, generate, generate_ids, stream
 
 __all__ = [
@@ -11,9 +11,12 @@ __all__ = [
     "GenerationStats",
     "GreedyAcceptance",
     "MedusaDrafter",
+    "MedusaNgramDrafter",
     "TypicalAcceptance",
     "generate",
     "generate_ids",
     "make_acceptance",
+    "make_drafter",
+    "ngram_lookup",
     "stream",
 ]

@@ -48,3 +48,67 @@ class MedusaDrafter:
         tokens = top[self.tree.head, self.tree.rank]  # [T]
         tokens[0] = state.root
         return Draft(self.tree, tokens)
+
+
+def ngram_lookup(token_ids: list[int], length: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
+    """Prompt lookup: the `length` tokens that followed the latest earlier match of the sequence's last n-gram
+    (longest n first). Empty when nothing matches."""
+    n_tokens = len(token_ids)
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n_tokens <= n:
+            continue
+        tail = token_ids[-n:]
+        for start in range(n_tokens - n - 1, -1, -1):
+            if token_ids[start : start + n] == tail:
+                follow = token_ids[start + n : start + n + length]
+                if follow:
+                    return follow
+    return []
+
+
+class MedusaNgramDrafter:
+    r"""
+    The Medusa tree plus one extra branch from the root: a chain of n-gram (prompt lookup) candidates.
+
+    Both are verified in the same forward; when the sequence so far has no matching n-gram, the plain Medusa
+    tree is used that step. Greedy output stays exact: acceptance does not care where candidates come from.
+    """
+
+    def __init__(self, model: MedusaModel, paths, ngram_length: int = 6, max_ngram: int = 4, min_ngram: int = 2):
+        from medusa_heads.tree import build_tree, validate_tree
+
+        paths = validate_tree(paths, num_heads=model.config.num_heads)
+        self.medusa = MedusaDrafter(model, build_tree(paths, model.device))
+        branch = self.medusa.tree.top_k  # a rank no head fills marks the n-gram chain
+        chain = [tuple([branch] + [0] * d) for d in range(ngram_length)]
+        self.tree = build_tree(list(paths) + chain, model.device)
+        self.is_chain = torch.tensor([bool(p) and p[0] == branch for p in ((),) + self.tree.paths],
+                                     device=model.device)
+        self.chain_nodes = torch.nonzero(self.is_chain).flatten()  # in depth order
+        self.ngram_length, self.max_ngram, self.min_ngram = ngram_length, max_ngram, min_ngram
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState) -> Draft:
+        follow = ngram_lookup(state.token_ids, self.ngram_length, self.max_ngram, self.min_ngram)
+        if not follow:
+            return self.medusa.propose(state)
+        tree = self.tree
+        logits = self.medusa.model.head_logits(state.hidden)  # [K, V]
+        top = logits.topk(self.medusa.tree.top_k, dim=-1).indices  # [K, top_k]
+        # Chain nodes may lie deeper than the heads and use the marker rank: clamp, then overwrite them.
+        tokens = top[tree.head.clamp(max=top.shape[0] - 1), tree.rank.clamp(max=top.shape[1] - 1)]  # [T]
+        tokens[0] = state.root
+        nodes = self.chain_nodes[: len(follow)]
+        tokens[nodes] = torch.tensor(follow, device=tokens.device)
+        if len(follow) < len(self.chain_nodes):
+            # A short match: repeat its last token; those nodes are simply rejected if wrong.
+            tokens[self.chain_nodes[len(follow):]] = follow[-1]
+        return Draft(tree, tokens)
+
+
+def make_drafter(model: MedusaModel, tree_name_or_file: str, ngram: bool = False):
+    """The CLI's drafters by name: the Medusa tree, optionally with an n-gram branch."""
+    from medusa_heads.tree import build_tree, load_tree
+
+    paths = load_tree(tree_name_or_file)
+    return MedusaNgramDrafter(model, paths) if ngram else MedusaDrafter(model, build_tree(paths, model.device))

@@ -17,9 +17,9 @@ import transformers
 from tqdm import tqdm
 
 from medusa_heads.errors import MedusaError
-from medusa_heads.inference import GenerationStats, MedusaDrafter, generate_ids
+from medusa_heads.inference import GenerationStats, generate_ids, make_drafter
 from medusa_heads.inference.generate import _eos_ids, encode_prompt
-from medusa_heads.tree import build_tree, load_tree
+from medusa_heads.tree import load_tree
 
 
 @dataclass
@@ -39,12 +39,12 @@ def hf_method(prompt_lookup: int | None = None):
     return run
 
 
-def medusa_method(tree_name: str):
+def medusa_method(tree_name: str, ngram: bool = False):
     drafters = {}
 
     def run(model, input_ids, max_new_tokens):
         if id(model) not in drafters:
-            drafters[id(model)] = MedusaDrafter(model, build_tree(load_tree(tree_name), model.device))
+            drafters[id(model)] = make_drafter(model, tree_name, ngram)
         stats = GenerationStats()
         eos = _eos_ids(model, None)
         start = time.perf_counter()
@@ -61,11 +61,11 @@ def make_methods(names: list[str]) -> dict:
             methods[name] = hf_method()
         elif name.startswith("hf-lookup"):
             methods[name] = hf_method(int(name.split(":")[1]) if ":" in name else 10)
-        elif name.startswith("medusa:"):
+        elif name.startswith(("medusa:", "medusa+ngram:")):
             load_tree(name.split(":", 1)[1])  # fail now on a bad tree, not after the warm-up
-            methods[name] = medusa_method(name.split(":", 1)[1])
+            methods[name] = medusa_method(name.split(":", 1)[1], ngram=name.startswith("medusa+ngram"))
         else:
-            raise MedusaError(f"Unknown method `{name}`; use hf, hf-lookup[:N] or medusa:TREE.")
+            raise MedusaError(f"Unknown method `{name}`; use hf, hf-lookup[:N], medusa:TREE or medusa+ngram:TREE.")
     if "hf" not in methods:
         methods = {"hf": hf_method(), **methods}  # the baseline every ratio is against
     return methods

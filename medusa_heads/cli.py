@@ -28,6 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="backbone hub id or folder (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--heads", help="heads folder or hub id (default: the heads shipped for the model)")
     g.add_argument("--tree", default="cpu-8", help="a shipped tree name or a JSON file")
+    g.add_argument("--drafter", choices=["medusa", "medusa+ngram"], default="medusa",
+                   help="medusa+ngram adds a prompt-lookup chain to the tree, verified in the same forward")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--acceptance", choices=["greedy", "typical"], default="greedy")
     g.add_argument("--temperature", type=float, default=0.0, help="typical acceptance: sampling temperature")
@@ -88,24 +90,25 @@ def _bench(args) -> None:
 
 def _generate(args) -> None:
     from medusa_heads.backbone import EMBEDDED_MODEL, load_tokenizer
-    from medusa_heads.inference import MedusaDrafter, generate, make_acceptance, stream
+    from medusa_heads.inference import generate, make_acceptance, make_drafter, stream
     from medusa_heads.inference.generate import GenerationStats
     from medusa_heads.model import MedusaModel
-    from medusa_heads.tree import build_tree, load_tree
+    from medusa_heads.tree import load_tree
 
     if args.max_new_tokens < 1:
         raise MedusaError(f"`--max-new-tokens` must be at least 1, got {args.max_new_tokens}.")
-    tree = load_tree(args.tree)
+    load_tree(args.tree)  # a broken tree fails before the model loads
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     tokenizer = load_tokenizer(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL,
                                gguf_file=None if args.model else model.config.base_model_gguf_file)
-    drafter = MedusaDrafter(model, build_tree(tree, model.device))
+    drafter = make_drafter(model, args.tree, ngram=args.drafter == "medusa+ngram")
     acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
                                  device=model.device)
     if args.json:
         result = generate(model, tokenizer, args.prompt, drafter, acceptance, args.max_new_tokens, args.stop, args.raw)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, **result.stats.as_dict(),
-                          "tree": args.tree, "tree_nodes": drafter.tree.size, "acceptance": args.acceptance}))
+                          "tree": args.tree, "tree_nodes": drafter.tree.size, "drafter": args.drafter,
+                          "acceptance": args.acceptance}))
         return
     stats = GenerationStats()
     for piece in stream(model, tokenizer, args.prompt, drafter, acceptance, args.max_new_tokens, args.stop, args.raw,

@@ -161,3 +161,27 @@ def test_max_new_tokens_and_eos_are_never_overshot(model, tokenizer, references)
         ids, reference = short
         ours = decode(model, ids, OracleDrafter(tree, ids.shape[1], reference), max_new_tokens=NEW_TOKENS)
         assert ours == reference and ours[-1] == eos
+
+
+def test_ngram_lookup_by_hand():
+    from medusa_heads.inference import ngram_lookup
+
+    seq = [5, 6, 7, 8, 9, 1, 2, 5, 6, 7]
+    assert ngram_lookup(seq, 3, max_ngram=3, min_ngram=2) == [8, 9, 1]
+    assert ngram_lookup([1, 2, 3, 4], 3) == []
+    # the latest earlier match wins
+    assert ngram_lookup([1, 2, 3, 1, 2, 4, 1, 2], 1, max_ngram=2) == [4]
+
+
+@pytest.mark.parametrize("tree_name", ["cpu-8"])
+def test_medusa_plus_ngram_drafter_stays_exact(model, backbone, references, tree_name):
+    from medusa_heads.inference import MedusaNgramDrafter
+
+    drafter = MedusaNgramDrafter(model, load_tree(tree_name), ngram_length=6)
+    stats_all = []
+    for ids, reference in references[:5]:
+        stats = GenerationStats()
+        ours = decode(model, ids, drafter, stats=stats)
+        assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
+        stats_all.append(stats.mean_accepted_length)
+    assert max(stats_all) > 1.2  # repetitive greedy text: the n-gram branch is accepted somewhere
