@@ -26,6 +26,8 @@ class Draft:
 
 
 class Drafter(Protocol):
+    tree: TreeBuffers  # the largest tree it proposes: sizes the context check and the per-depth statistics
+
     def propose(self, state: DecodeState) -> Draft: ...
 
 

@@ -119,7 +119,7 @@ def generate_ids(
     acceptance = acceptance or GreedyAcceptance()
     stats = stats if stats is not None else GenerationStats()
     input_ids = input_ids.reshape(1, -1).to(model.device)
-    tree_size = drafter.tree.size if hasattr(drafter, "tree") else 0
+    tree_size = drafter.tree.size
     context = getattr(model.backbone.config.get_text_config(), "max_position_embeddings", None)
     needed = input_ids.shape[1] + max_new_tokens + tree_size
     if context is not None and needed > context:
@@ -128,7 +128,7 @@ def generate_ids(
             f"({tree_size}) exceed the model's context of {context} tokens; shorten the prompt or max_new_tokens."
         )
     stats.prompt_tokens = input_ids.shape[1]
-    stats.depth_accepts = [0] * getattr(getattr(drafter, "tree", None), "max_depth", 0)
+    stats.depth_accepts = [0] * drafter.tree.max_depth
     eos = set(eos_token_ids)
     if max_new_tokens <= 0:
         return
@@ -181,7 +181,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool = F
     return encoded["input_ids"]
 
 
-def _stop_strings(tokenizer: PreTrainedTokenizerBase, strings: Sequence[str]):
+def stop_strings_check(tokenizer: PreTrainedTokenizerBase, strings: Sequence[str]):
     if not strings:
         return None
 
@@ -197,7 +197,7 @@ def _stop_strings(tokenizer: PreTrainedTokenizerBase, strings: Sequence[str]):
     return stop
 
 
-def _eos_ids(model: MedusaModel, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
+def eos_token_ids(model: MedusaModel, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
     eos = model.backbone.generation_config.eos_token_id
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
@@ -211,8 +211,8 @@ def stream(model: MedusaModel, tokenizer: PreTrainedTokenizerBase, prompt: str, 
     input_ids = encode_prompt(tokenizer, prompt, raw)
     ids: list[int] = []
     shown = ""
-    for chunk in generate_ids(model, input_ids, drafter, acceptance, max_new_tokens, _eos_ids(model, tokenizer),
-                              _stop_strings(tokenizer, stop_strings), stats):
+    for chunk in generate_ids(model, input_ids, drafter, acceptance, max_new_tokens, eos_token_ids(model, tokenizer),
+                              stop_strings_check(tokenizer, stop_strings), stats):
         ids += chunk
         text = tokenizer.decode(ids, skip_special_tokens=True)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its next byte
@@ -231,6 +231,6 @@ def generate(model: MedusaModel, tokenizer: PreTrainedTokenizerBase, prompt: str
     stats = GenerationStats()
     input_ids = encode_prompt(tokenizer, prompt, raw)
     ids = [t for chunk in generate_ids(model, input_ids, drafter, acceptance, max_new_tokens,
-                                       _eos_ids(model, tokenizer), _stop_strings(tokenizer, stop_strings), stats)
+                                       eos_token_ids(model, tokenizer), stop_strings_check(tokenizer, stop_strings), stats)
            for t in chunk]
     return Generation(tokenizer.decode(ids, skip_special_tokens=True), ids, stats)

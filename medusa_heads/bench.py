@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from medusa_heads.errors import MedusaError
 from medusa_heads.inference import GenerationStats, generate_ids, make_drafter
-from medusa_heads.inference.generate import _eos_ids, encode_prompt
+from medusa_heads.inference.generate import encode_prompt, eos_token_ids
 from medusa_heads.tree import load_tree
 
 
@@ -46,7 +46,7 @@ def medusa_method(tree_name: str, ngram: bool = False):
         if id(model) not in drafters:
             drafters[id(model)] = make_drafter(model, tree_name, ngram)
         stats = GenerationStats()
-        eos = _eos_ids(model, None)
+        eos = eos_token_ids(model, None)
         start = time.perf_counter()
         ids = [t for chunk in generate_ids(model, input_ids, drafters[id(model)], None, max_new_tokens, eos, None,
                                            stats) for t in chunk]
@@ -170,7 +170,47 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot_report(result: dict, out: Path) -> list[Path]:
+    """Speed-up by method and category, and the accepted-length histogram of each tree method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = result["summary"]
+    methods = [m for m in summary if m != "hf"]
+    categories = sorted({c for s in summary.values() for c in s["speedup_by_category"]})
+    fig, ax = plt.subplots(figsize=(max(6, len(categories) * 1.2), 4))
+    width = 0.8 / max(len(methods), 1)
+    for i, m in enumerate(methods):
+        xs = [c + i * width for c in range(len(categories))]
+        ax.bar(xs, [summary[m]["speedup_by_category"].get(c, 0) for c in categories], width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([c + width * (len(methods) - 1) / 2 for c in range(len(categories))], categories, rotation=30)
+    ax.set_ylabel("speed-up vs HF greedy (median)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths = [out / "speedup_by_category.png"]
+    fig.savefig(paths[0], dpi=120)
+    plt.close(fig)
+    tree_methods = [m for m in methods if summary[m]["mean_accepted_length"]]
+    if tree_methods:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for m in tree_methods:
+            lengths = [a for r in result["rows"] if r["method"] == m for a in r["accepted_lengths"]]
+            ax.hist(lengths, bins=range(1, max(lengths) + 2), alpha=0.5, label=m, align="left")
+        ax.set_xlabel("tokens accepted per step (bonus token included)")
+        ax.set_ylabel("steps")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / "accepted_lengths.png")
+        fig.savefig(paths[1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
 def write_report(result: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.json").write_text(json.dumps(result, indent=1))
     (out / "bench.md").write_text(markdown(result))
+    plot_report(result, out)

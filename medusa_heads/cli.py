@@ -85,7 +85,7 @@ def _bench(args) -> None:
     result = bench(model, tokenizer, prompts, args.methods.split(","), args.max_new_tokens, args.repeats, fp32)
     write_report(result, args.out)
     print(markdown(result))
-    print(f"report: {args.out}/bench.json, {args.out}/bench.md")
+    print(f"report: {args.out}/bench.json, bench.md, speedup_by_category.png, accepted_lengths.png")
 
 
 def _generate(args) -> None:

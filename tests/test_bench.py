@@ -20,3 +20,22 @@ def test_speedup_is_the_median_per_prompt_ratio_against_hf():
                       "fingerprint": {"dtype": "float32", "device": "cpu", "cpu": "x", "threads": 2,
                                       "torch": "t", "transformers": "t"}})
     assert "| medusa:cpu-8 | 15.0 | 1.50x (1.00-2.00) | 2.00 | 2/3 |" in table
+
+
+def test_report_files(tmp_path):
+    import json
+
+    from medusa_heads.bench import write_report
+
+    rows = [{"prompt": "a", "category": "x", "method": "hf", "tokens_per_second": 10.0, "identical_to_hf": True,
+             "identical_to_fp32": None, "accepted_lengths": None},
+            {"prompt": "a", "category": "x", "method": "medusa:cpu-8", "tokens_per_second": 12.0,
+             "identical_to_hf": True, "identical_to_fp32": None, "accepted_lengths": [1, 2, 2, 3]}]
+    result = {"summary": summarize(rows), "rows": rows, "max_new_tokens": 4, "repeats": 1,
+              "fingerprint": {"dtype": "float32", "device": "cpu", "cpu": "x", "threads": 1, "torch": "t",
+                              "transformers": "t"}}
+    write_report(result, tmp_path)
+    assert json.loads((tmp_path / "bench.json").read_text())["summary"]["medusa:cpu-8"]["speedup_median"] == 1.2
+    assert "medusa:cpu-8" in (tmp_path / "bench.md").read_text()
+    for png in ("speedup_by_category.png", "accepted_lengths.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
