@@ -25,8 +25,10 @@ def assert_clean_error(result, *needles):
         assert needle in lines[-1], lines[-1]
 
 
-def test_generate_json_on_the_embedded_default():
-    result = run_cli("generate", "--prompt", "Name three colors.", "--max-new-tokens", "12", "--json")
+@pytest.mark.parametrize("drafter", ["medusa", "medusa+ngram"])
+def test_generate_json_on_the_embedded_default(drafter):
+    result = run_cli("generate", "--prompt", "Name three colors.", "--max-new-tokens", "12", "--json",
+                     "--drafter", drafter)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["new_tokens"] == len(out["token_ids"]) == 12

@@ -36,13 +36,14 @@ def explain_mismatch(backbone, input_ids, ours, reference):
 class OracleDrafter:
     """Knows the reference continuation and hides it on a random path of the tree, noise elsewhere."""
 
-    def __init__(self, tree, prompt_len, reference, seed=0):
+    def __init__(self, tree, prompt_len, reference, seed=0, vocab_size=49152):
         self.tree, self.prompt_len, self.reference = tree, prompt_len, reference
         self.rng = random.Random(seed)
+        self.vocab_size = vocab_size
 
     def propose(self, state: DecodeState) -> Draft:
         done = len(state.token_ids) - self.prompt_len
-        tokens = torch.tensor([self.rng.randrange(49152) for _ in range(self.tree.size)])
+        tokens = torch.tensor([self.rng.randrange(self.vocab_size) for _ in range(self.tree.size)])
         tokens[0] = state.root
         row = self.rng.randrange(self.tree.retrieve.shape[0])
         path = self.tree.retrieve[row][self.tree.retrieve_valid[row]][1:]

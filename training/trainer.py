@@ -147,10 +147,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         dev = accelerator.device
         return hidden.to(dev), ids.to(dev), mask.to(dev)
 
-    def medusa2_loss(indices: list[int]):
-        """Heads loss on the adapted backbone's hidden states, plus its KL to itself without adapters."""
+    def medusa2_loss(indices: list[int], warm: bool):
+        """Heads loss on the adapted backbone's hidden states, plus its KL to itself without adapters;
+        during the warm-up (`warm`) the heads alone train."""
         ids, mask, attn = (t.to(accelerator.device) for t in pad_batch([all_examples[i] for i in indices]))
-        warm = step < cfg.heads_warmup_steps
         with torch.set_grad_enabled(not warm):
             student, hidden = backbone_forward(backbone, ids, None, attention_mask=attn)
         logits, targets, teachers = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
@@ -215,7 +215,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
             indices = batch_order(len(train_set), cfg.batch_size, epoch, cfg.seed)[index * world + rank]
             with accelerator.accumulate(heads), accelerator.autocast():
                 if cfg.medusa2:
-                    loss, per_head, mask = medusa2_loss(indices)
+                    loss, per_head, mask = medusa2_loss(indices, warm=step < cfg.heads_warmup_steps)
                 else:
                     hidden, ids, mask = batch_inputs(indices, 0)
                     logits, targets, teachers = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
