@@ -71,7 +71,7 @@ def make_methods(names: list[str]) -> dict:
     return methods
 
 
-def read_bench_prompts(path: Path, limit: int | None) -> list[dict]:
+def read_bench_prompts(path: Path, limit: int | None = None, per_category: int | None = None) -> list[dict]:
     if not path.is_file():
         raise MedusaError(f"Prompt file `{path}` does not exist.")
     rows = []
@@ -83,6 +83,16 @@ def read_bench_prompts(path: Path, limit: int | None) -> list[dict]:
                              "prompt": row["prompt"]})
             except (json.JSONDecodeError, KeyError, TypeError):
                 raise MedusaError(f"{path}:{n} is not a JSON object with a `prompt`.") from None
+    if per_category is not None:
+        seen: dict[str, int] = defaultdict(int)
+        kept = []
+        for row in rows:
+            seen[row["category"]] += 1
+            if seen[row["category"]] <= per_category:
+                kept.append(row)
+        rows = kept
+    if not rows:
+        raise MedusaError(f"Prompt file `{path}` holds no prompts.")
     return rows[:limit]
 
 

@@ -61,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--limit", type=int, help="only the first N prompts")
+    b.add_argument("--per-category", type=int, help="only the first N prompts of each category")
     b.add_argument("--out", type=Path, default=Path("bench-out"))
     b.add_argument("--no-fp32-reference", action="store_true",
                    help="in bf16/fp16, skip comparing outputs with fp32 greedy")
@@ -75,7 +76,7 @@ def _bench(args) -> None:
     from medusa_heads.bench import bench, markdown, read_bench_prompts, write_report
     from medusa_heads.model import MedusaModel
 
-    prompts = read_bench_prompts(args.prompts, args.limit)
+    prompts = read_bench_prompts(args.prompts, args.limit, args.per_category)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     tokenizer = load_tokenizer(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL)
     fp32 = None

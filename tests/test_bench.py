@@ -39,3 +39,21 @@ def test_report_files(tmp_path):
     assert "medusa:cpu-8" in (tmp_path / "bench.md").read_text()
     for png in ("speedup_by_category.png", "accepted_lengths.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_prompt_selection(tmp_path):
+    import json
+
+    import pytest
+
+    from medusa_heads import MedusaError
+    from medusa_heads.bench import read_bench_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"id": f"{c}-{i}", "category": c, "prompt": "hi"}) + "\n"
+                            for c in "ab" for i in range(3)))
+    assert [r["id"] for r in read_bench_prompts(path, per_category=1)] == ["a-0", "b-0"]
+    assert len(read_bench_prompts(path, limit=4)) == 4
+    path.write_text('{"category": "a"}\n')
+    with pytest.raises(MedusaError, match="not a JSON object with a `prompt`"):
+        read_bench_prompts(path)
