@@ -44,12 +44,17 @@ class MedusaDrafter:
         self.tree = tree
 
     @torch.no_grad()
-    def propose(self, state: DecodeState) -> Draft:
+    def fill(self, state: DecodeState, tree: TreeBuffers) -> torch.Tensor:
+        """Tokens [T] for `tree`'s nodes from the heads' top-k; nodes deeper than the heads or with ranks beyond
+        this drafter's top-k (another drafter's branches) get a placeholder for their owner to overwrite."""
         logits = self.model.head_logits(state.hidden)  # [K, V]
         top = logits.topk(self.tree.top_k, dim=-1).indices  # [K, top_k]
-        tokens = top[self.tree.head, self.tree.rank]  # [T]
+        tokens = top[tree.head.clamp(max=top.shape[0] - 1), tree.rank.clamp(max=top.shape[1] - 1)]  # [T]
         tokens[0] = state.root
-        return Draft(self.tree, tokens)
+        return tokens
+
+    def propose(self, state: DecodeState) -> Draft:
+        return Draft(self.tree, self.fill(state, self.tree))
 
 
 def ngram_lookup(token_ids: list[int], length: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
@@ -95,11 +100,7 @@ class MedusaNgramDrafter:
         if not follow:
             return self.medusa.propose(state)
         tree = self.tree
-        logits = self.medusa.model.head_logits(state.hidden)  # [K, V]
-        top = logits.topk(self.medusa.tree.top_k, dim=-1).indices  # [K, top_k]
-        # Chain nodes may lie deeper than the heads and use the marker rank: clamp, then overwrite them.
-        tokens = top[tree.head.clamp(max=top.shape[0] - 1), tree.rank.clamp(max=top.shape[1] - 1)]  # [T]
-        tokens[0] = state.root
+        tokens = self.medusa.fill(state, tree)  # chain nodes get placeholders, overwritten here
         nodes = self.chain_nodes[: len(follow)]
         tokens[nodes] = torch.tensor(follow, device=tokens.device)
         if len(follow) < len(self.chain_nodes):
