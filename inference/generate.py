@@ -142,11 +142,11 @@ def generate_ids(
     sequence = input_ids[0].tolist() + [root]
     new_ids = [root]
     stats.new_tokens = 1
-    done = root in eos or max_new_tokens == 1
+    done = root in eos or max_new_tokens == 1 or (stop is not None and stop(new_ids) is not None)
     yield [root]
 
     start = time.perf_counter()
-    while not done and (stop is None or stop(new_ids) is None):
+    while not done:
         state = DecodeState(sequence, root, hidden)
         accepted, tokens, hidden = tree_decode_step(model, drafter, acceptance, cache, state)
         stats.accepted_lengths.append(len(tokens))
