@@ -119,6 +119,26 @@ class MedusaModel(nn.Module):
         """hidden: [..., H] -> [K, ..., V]."""
         return self.heads(hidden, lm_head=self.backbone.get_output_embeddings())
 
+    @torch.no_grad()
+    def head_topk(self, hidden: torch.Tensor, paths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""
+        The heads' guesses for the children of N tree nodes of the same depth d (the root has depth 0).
+
+        Args:
+            hidden: [H], the last hidden state, the one that predicted the root.
+            paths: [N, d + 1] long, the tokens from the root down to each node.
+            k: guesses per node.
+
+        Returns:
+            (tokens [N, k] long, logprobs [N, k] float): head d's top-k for the token after each node, best
+            first, with their log-probabilities under the head. Plain Medusa heads ignore the path.
+        """
+        depth = paths.shape[1] - 1
+        states = self.heads.blocks[depth](hidden)
+        logprobs = torch.log_softmax(self.heads.project(depth, states, self.backbone.get_output_embeddings()).float(), -1)
+        top = logprobs.topk(k)
+        return top.indices.expand(paths.shape[0], k), top.values.expand(paths.shape[0], k)
+
     @classmethod
     def from_pretrained(
         cls,
