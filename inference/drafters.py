@@ -1,6 +1,7 @@
 """Sources of candidate tokens. A drafter fills a tree with one token per node; the root is already chosen."""
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 import torch
@@ -47,14 +48,60 @@ class MedusaDrafter:
     def fill(self, state: DecodeState, tree: TreeBuffers) -> torch.Tensor:
         """Tokens [T] for `tree`'s nodes from the heads' top-k; nodes deeper than the heads or with ranks beyond
         this drafter's top-k (another drafter's branches) get a placeholder for their owner to overwrite."""
-        logits = self.model.head_logits(state.hidden)  # [K, V]
-        top = logits.topk(self.tree.top_k, dim=-1).indices  # [K, top_k]
+        if self.model.heads.is_hydra:
+            return self._fill_by_depth(state, tree)
+        logits = self.model.head_logits(state.hidden)  # [K, V_out]: one projection for every head
+        top = self.model.heads.token_ids(logits.topk(self.tree.top_k, dim=-1).indices)  # [K, top_k]
         tokens = top[tree.head.clamp(max=top.shape[0] - 1), tree.rank.clamp(max=top.shape[1] - 1)]  # [T]
         tokens[0] = state.root
         return tokens
 
+    def _fill_by_depth(self, state: DecodeState, tree: TreeBuffers) -> torch.Tensor:
+        """Path-conditioned heads: depth by depth, one batched head call over the parents of the next depth."""
+        tokens = torch.zeros(tree.size, dtype=torch.long, device=tree.depth.device)
+        tokens[0] = state.root
+        for step in _depth_plan(tree.paths, self.tree.top_k, str(tree.depth.device)):
+            top, _ = self.model.head_topk(state.hidden, tokens[step.ancestors], step.k)
+            tokens[step.children] = top[step.child_row, step.child_rank]
+        return tokens
+
     def propose(self, state: DecodeState) -> Draft:
         return Draft(self.tree, self.fill(state, self.tree))
+
+
+@dataclass(frozen=True)
+class DepthStep:
+    """Filling the children at depth d + 1 of a tree: one head call over their parents."""
+
+    ancestors: torch.Tensor  # [N, d + 1] node ids from the root to each parent
+    children: torch.Tensor  # [C] node ids of the children
+    child_row: torch.Tensor  # [C] each child's parent, as a row of `ancestors`
+    child_rank: torch.Tensor  # [C] each child's rank among its parent's guesses
+    k: int  # guesses needed per parent
+
+
+@lru_cache(maxsize=64)
+def _depth_plan(paths: tuple, top_k: int, device: str) -> list[DepthStep]:
+    """Per depth, which nodes the heads fill (every rank on their path below `top_k`) and from which parents."""
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
+    ours = [p for p in paths if max(p) < top_k]
+    plan = []
+    for depth in range(1, max((len(p) for p in ours), default=0) + 1):
+        children = [p for p in ours if len(p) == depth]
+        parents = list(dict.fromkeys(p[:-1] for p in children))
+        row = {q: i for i, q in enumerate(parents)}
+
+        def t(values):
+            return torch.tensor(values, dtype=torch.long, device=device)
+
+        plan.append(DepthStep(
+            ancestors=t([[index[q[:i]] for i in range(len(q) + 1)] for q in parents]),
+            children=t([index[p] for p in children]),
+            child_row=t([row[p[:-1]] for p in children]),
+            child_rank=t([p[-1] for p in children]),
+            k=1 + max(p[-1] for p in children),
+        ))
+    return plan
 
 
 def ngram_lookup(token_ids: list[int], length: int, max_ngram: int = 4, min_ngram: int = 2) -> list[int]:
@@ -109,9 +156,16 @@ class MedusaNgramDrafter:
         return Draft(tree, tokens)
 
 
-def make_drafter(model: MedusaModel, tree_name_or_file: str, ngram: bool = False):
-    """The CLI's drafters by name: the Medusa tree, optionally with an n-gram branch."""
+def make_drafter(model: MedusaModel, tree_name_or_file: str, ngram: bool = False, name: str | None = None,
+                 **options) -> Drafter:
+    """The CLI's drafters by name: the Medusa tree, optionally with an n-gram branch (`ngram` or
+    `name="medusa+ngram"`); other names (ngram, draft-model, early-exit) are `draft_model.py`'s, given `options`."""
     from medusa_heads.tree import build_tree, load_tree
 
+    if name not in (None, "medusa", "medusa+ngram"):
+        from .draft_model import make_headless_drafter
+
+        return make_headless_drafter(model, name, **options)
+    ngram = ngram or name == "medusa+ngram"
     paths = load_tree(tree_name_or_file)
     return MedusaNgramDrafter(model, paths) if ngram else MedusaDrafter(model, build_tree(paths, model.device))

@@ -3,7 +3,8 @@
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: `head_type` and `draft_vocab_size` (version-1 heads load unchanged)
+HEAD_TYPES = ("medusa", "hydra")
 
 
 @strict(accept_kwargs=True)
@@ -29,6 +30,13 @@ class MedusaConfig(PreTrainedConfig):
         share_lm_head (`bool`, defaults to `True`):
             If `True` every head projects with the backbone's own LM head (not saved with the heads);
             if `False` each head owns a projection, initialised from the backbone's (as in the Medusa paper).
+        head_type (`str`, defaults to `"medusa"`):
+            `"medusa"`: each head reads only the hidden state. `"hydra"`: head k also reads the embeddings of
+            the k tokens before its own on the draft path (the root and the guesses of heads 1..k-1), so the
+            guesses along a path are coherent.
+        draft_vocab_size (`int`, *optional*):
+            Heads guess among this many tokens only (the most frequent in the training targets, saved as the
+            `draft_vocab` buffer): a cheaper projection. Verification still uses the full vocabulary.
         format_version (`int`):
             Version of the saved format, checked on load.
 
@@ -49,6 +57,8 @@ class MedusaConfig(PreTrainedConfig):
     hidden_size: int = 576
     vocab_size: int = 49152
     share_lm_head: bool = True
+    head_type: str = "medusa"
+    draft_vocab_size: int | None = None
     format_version: int = FORMAT_VERSION
 
     def validate_architecture(self):
@@ -60,6 +70,12 @@ class MedusaConfig(PreTrainedConfig):
         if self.hidden_size < 1 or self.vocab_size < 1:
             raise ValueError(
                 f"`hidden_size` and `vocab_size` must be positive, got {self.hidden_size} and {self.vocab_size}."
+            )
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"`head_type` must be one of {', '.join(HEAD_TYPES)}, got {self.head_type!r}.")
+        if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"`draft_vocab_size` must be in 1..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}."
             )
         if self.format_version > FORMAT_VERSION:
             raise ValueError(

@@ -21,12 +21,29 @@ class ResBlock(nn.Module):
         return x + F.silu(F.linear(x, self.weight, self.bias))
 
 
+class TokenMix(nn.Module):
+    """Hydra input: `h + W [e_1; ...; e_n]`, the hidden state plus a projection of the path's n token
+    embeddings. W starts at zero, so a fresh Hydra head is a fresh Medusa head."""
+
+    def __init__(self, hidden_size: int, n_tokens: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size, n_tokens * hidden_size))
+
+    def forward(self, hidden: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """hidden [..., H] (broadcast), token_embeds [..., n, H] -> [..., H]."""
+        return hidden + F.linear(token_embeds.flatten(-2), self.weight)
+
+
 class MedusaHeads(PreTrainedModel):
     r"""
     The heads alone: per head, `num_layers` residual blocks (each its own module) and a vocabulary projection.
 
     With `config.share_lm_head` the projection is the backbone's LM head, passed to `forward`, and the
     saved weights hold the residual blocks only. An untrained head is then exactly the backbone's LM head.
+    With `config.head_type="hydra"`, head j (0-based) also reads the embeddings of the j + 1 tokens after the
+    hidden state's position (the root, then the guesses of heads 0..j-1 on the path).
+    With `config.draft_vocab_size`, heads score only the tokens in the `draft_vocab` buffer: use
+    `output_projection` to get the projection they expect and `token_ids` to map their outputs back.
 
     Example:
 
@@ -41,40 +58,76 @@ class MedusaHeads(PreTrainedModel):
 
     def __init__(self, config: MedusaConfig):
         super().__init__(config)
-        h = config.hidden_size
-        self.blocks = nn.ModuleList(
-            nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)]) for _ in range(config.num_heads)
-        )
-        self.lm_heads = (
-            None
-            if config.share_lm_head
-            else nn.ModuleList(nn.Linear(h, config.vocab_size, bias=False) for _ in range(config.num_heads))
-        )
+        h, k = config.hidden_size, config.num_heads
+        self.blocks = nn.ModuleList(nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)]) for _ in range(k))
+        self.mixers = nn.ModuleList(TokenMix(h, j + 1) for j in range(k)) if config.head_type == "hydra" else None
+        out = config.draft_vocab_size or config.vocab_size
+        self.lm_heads = None if config.share_lm_head else nn.ModuleList(nn.Linear(h, out, bias=False) for _ in range(k))
+        if config.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
+        else:
+            self.draft_vocab = None
         self.post_init()
+
+    @property
+    def is_hydra(self) -> bool:
+        return self.mixers is not None
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """The tokens the heads guess among, [draft_vocab_size] ids of the backbone's vocabulary."""
+        if self.draft_vocab is None or token_ids.shape != self.draft_vocab.shape:
+            raise ValueError(f"Expected {self.config.draft_vocab_size} draft-vocabulary ids, got {tuple(token_ids.shape)}.")
+        self.draft_vocab.copy_(token_ids)
+
+    def output_projection(self, lm_head: nn.Module) -> nn.Module:
+        """The projection `project` expects for shared heads: `lm_head` itself, or its rows of the draft vocabulary
+        (a copy, made once by the caller)."""
+        if self.draft_vocab is None:
+            return lm_head
+        sub = nn.Linear(lm_head.weight.shape[1], self.draft_vocab.numel(), bias=False,
+                        device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        sub.weight.data.copy_(lm_head.weight.data[self.draft_vocab.to(lm_head.weight.device)])
+        return sub.requires_grad_(False)
+
+    def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Indices into the heads' output vocabulary -> token ids of the backbone's vocabulary."""
+        return indices if self.draft_vocab is None else self.draft_vocab[indices]
 
     @torch.no_grad()
     def init_lm_heads_from(self, lm_head: nn.Module) -> None:
-        """Copy the backbone's LM head into each head's own projection (`share_lm_head=False`)."""
+        """Copy the backbone's LM head (its draft-vocabulary rows) into each head's own projection."""
         if self.lm_heads is None:
             raise ValueError("These heads share the backbone's LM head (`share_lm_head=True`); there is nothing to copy into.")
         for own in self.lm_heads:
-            own.weight.copy_(lm_head.weight)
+            own.weight.copy_(self.output_projection(lm_head).weight)
 
-    def head_states(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def head_state(self, head: int, hidden: torch.Tensor, token_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """One head before its projection: hidden [..., H] -> [..., H]. Hydra heads need token_embeds
+        [..., n >= head + 1, H], the embeddings of the tokens after the hidden state's position."""
+        if self.mixers is not None:
+            if token_embeds is None:
+                raise ValueError("Hydra heads read the path's tokens: pass `token_embeds`.")
+            hidden = self.mixers[head](hidden, token_embeds[..., : head + 1, :])
+        return self.blocks[head](hidden)
+
+    def head_states(self, hidden_states: torch.Tensor, token_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """hidden_states: [..., H] -> [K, ..., H], before the vocabulary projection."""
-        return torch.stack([block(hidden_states) for block in self.blocks])
+        return torch.stack([self.head_state(j, hidden_states, token_embeds) for j in range(len(self.blocks))])
 
     def project(self, head: int, states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """One head's vocabulary projection: states [..., H] -> logits [..., V]."""
+        """One head's vocabulary projection: states [..., H] -> logits [..., V_out] over the output vocabulary.
+        Shared heads take `lm_head=output_projection(backbone_lm_head)`."""
         if self.lm_heads is not None:
             return self.lm_heads[head](states)
         if lm_head is None:
             raise ValueError("These heads share the backbone's LM head: pass it as `lm_head=`.")
         return lm_head(states)
 
-    def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
-        """hidden_states: [..., H] -> logits [K, ..., V]. `lm_head` is required when the heads share it."""
-        states = self.head_states(hidden_states)
+    def forward(self, hidden_states: torch.Tensor, lm_head: nn.Module | None = None,
+                token_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden_states: [..., H] -> logits [K, ..., V_out]. `lm_head` is required when the heads share it."""
+        states = self.head_states(hidden_states, token_embeds)
         if self.lm_heads is None:
             return self.project(0, states, lm_head)  # one matmul for all heads
         return torch.stack([self.project(k, s) for k, s in enumerate(states)])

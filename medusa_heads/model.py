@@ -62,8 +62,10 @@ def check_fits(heads: MedusaHeads, backbone: PreTrainedModel) -> None:
 
 
 def untrained_heads(backbone: PreTrainedModel, name_or_path: str, num_heads: int = 4, num_layers: int = 1,
-                    share_lm_head: bool = True, gguf_file: str | None = None) -> MedusaHeads:
-    """Fresh heads for `backbone`: each starts as exactly the backbone's LM head."""
+                    share_lm_head: bool = True, gguf_file: str | None = None, head_type: str = "medusa",
+                    draft_vocab: torch.Tensor | None = None) -> MedusaHeads:
+    """Fresh heads for `backbone`: each starts as exactly the backbone's LM head (restricted to `draft_vocab`,
+    token ids the heads guess among, when given)."""
     config = MedusaConfig(
         base_model_name_or_path=name_or_path,
         base_model_gguf_file=gguf_file,
@@ -72,8 +74,12 @@ def untrained_heads(backbone: PreTrainedModel, name_or_path: str, num_heads: int
         hidden_size=backbone.config.get_text_config().hidden_size,
         vocab_size=backbone.get_output_embeddings().weight.shape[0],
         share_lm_head=share_lm_head,
+        head_type=head_type,
+        draft_vocab_size=None if draft_vocab is None else int(draft_vocab.numel()),
     )
     heads = MedusaHeads(config)
+    if draft_vocab is not None:
+        heads.set_draft_vocab(draft_vocab)
     if not share_lm_head:
         heads.init_lm_heads_from(backbone.get_output_embeddings())
     return heads.to(device=backbone.device, dtype=backbone.dtype)
@@ -106,6 +112,8 @@ class MedusaModel(nn.Module):
         check_fits(heads, backbone)
         self.backbone = backbone
         self.heads = heads
+        # Shared heads project with the backbone's LM head, or a copy of its draft-vocabulary rows.
+        self.projection = heads.output_projection(backbone.get_output_embeddings()) if heads.lm_heads is None else None
 
     @property
     def config(self) -> MedusaConfig:
@@ -115,9 +123,11 @@ class MedusaModel(nn.Module):
     def device(self) -> torch.device:
         return self.backbone.device
 
+    @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [..., H] -> [K, ..., V]."""
-        return self.heads(hidden, lm_head=self.backbone.get_output_embeddings())
+        """Plain Medusa heads: hidden [..., H] -> logits [K, ..., V_out] over the heads' output vocabulary
+        (`heads.token_ids` maps its indices to token ids)."""
+        return self.heads(hidden, lm_head=self.projection)
 
     @torch.no_grad()
     def head_topk(self, hidden: torch.Tensor, paths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,10 +144,12 @@ class MedusaModel(nn.Module):
             first, with their log-probabilities under the head. Plain Medusa heads ignore the path.
         """
         depth = paths.shape[1] - 1
-        states = self.heads.blocks[depth](hidden)
-        logprobs = torch.log_softmax(self.heads.project(depth, states, self.backbone.get_output_embeddings()).float(), -1)
+        embeds = self.backbone.get_input_embeddings()(paths) if self.heads.is_hydra else None  # [N, d + 1, H]
+        states = self.heads.head_state(depth, hidden, embeds)
+        logprobs = torch.log_softmax(self.heads.project(depth, states, self.projection).float(), -1)
         top = logprobs.topk(k)
-        return top.indices.expand(paths.shape[0], k), top.values.expand(paths.shape[0], k)
+        n = paths.shape[0]
+        return self.heads.token_ids(top.indices).expand(n, k), top.values.expand(n, k)
 
     @classmethod
     def from_pretrained(

@@ -5,6 +5,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from medusa_heads import EMBEDDED_MODEL, MedusaConfig, MedusaError, MedusaHeads, MedusaModel, load_heads
+from medusa_heads.config import FORMAT_VERSION
 from medusa_heads.model import check_fits, untrained_heads
 
 
@@ -26,6 +27,35 @@ def test_untrained_heads_equal_the_backbone_lm_head(backbone):
     assert torch.allclose(own(hidden), expected.expand(2, -1, -1), atol=1e-5)
 
 
+def test_untrained_hydra_heads_with_a_draft_vocabulary_are_the_lm_head_on_those_tokens(backbone):
+    vocab = torch.tensor([5, 900, 17, 3000])
+    heads = untrained_heads(backbone, EMBEDDED_MODEL, num_heads=2, head_type="hydra", draft_vocab=vocab)
+    model = MedusaModel(backbone, heads)
+    hidden = torch.randn(backbone.config.hidden_size)
+    paths = torch.tensor([[1, 2], [3, 4]])  # two depth-1 nodes: the untrained path mix is zero
+    tokens, logprobs = model.head_topk(hidden, paths, k=2)
+    full = backbone.get_output_embeddings()(hidden)[vocab]
+    expected = vocab[full.topk(2).indices]
+    assert tokens.tolist() == [expected.tolist()] * 2
+    assert torch.allclose(logprobs[0], torch.log_softmax(full, -1).topk(2).values)
+    with pytest.raises(ValueError, match="token_embeds"):
+        heads.head_state(0, hidden)
+
+
+def test_hydra_heads_read_the_path():
+    torch.manual_seed(0)
+    heads = tiny_heads(head_type="hydra")
+    for p in heads.parameters():
+        p.data.normal_()
+    x, embeds = torch.randn(16), torch.randn(2, 3, 16)
+    # head 1 reads the first two tokens only: changing the third leaves it alone, changing the second does not
+    changed = embeds.clone()
+    changed[:, 2] += 1
+    assert torch.equal(heads.head_state(1, x, embeds), heads.head_state(1, x, changed))
+    changed[:, 1] += 1
+    assert not torch.allclose(heads.head_state(1, x, embeds), heads.head_state(1, x, changed))
+
+
 def test_each_block_is_its_own_module():
     heads = tiny_heads()
     params = [p for block in heads.blocks for p in block.parameters()]
@@ -34,21 +64,28 @@ def test_each_block_is_its_own_module():
     assert heads.blocks[0][1].weight.abs().sum() == 0 and heads.blocks[1][0].weight.abs().sum() == 0
 
 
-@pytest.mark.parametrize("share_lm_head", [True, False])
-def test_save_load_round_trip(tmp_path, share_lm_head):
+@pytest.mark.parametrize("share_lm_head,head_type,draft_vocab_size",
+                         [(True, "medusa", None), (False, "medusa", None), (True, "hydra", 7), (False, "hydra", None)])
+def test_save_load_round_trip(tmp_path, share_lm_head, head_type, draft_vocab_size):
     torch.manual_seed(0)
-    heads = tiny_heads(share_lm_head)
+    heads = tiny_heads(share_lm_head, head_type=head_type, draft_vocab_size=draft_vocab_size)
     for p in heads.parameters():
         p.data.normal_()
+    if draft_vocab_size:
+        heads.set_draft_vocab(torch.randperm(40)[:draft_vocab_size])
     heads.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "model.safetensors")
     assert any("lm_heads" in k for k in saved) == (not share_lm_head)
+    assert any("mixers" in k for k in saved) == (head_type == "hydra")
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["base_model_name_or_path"] == "tiny" and config["format_version"] == 1
+    assert config["base_model_name_or_path"] == "tiny" and config["format_version"] == FORMAT_VERSION
     loaded = load_heads(tmp_path)
+    if draft_vocab_size:
+        assert torch.equal(loaded.draft_vocab, heads.draft_vocab)
     lm_head = torch.nn.Linear(16, 40, bias=False)
-    x = torch.randn(4, 16)
-    assert torch.equal(heads(x, lm_head=lm_head), loaded(x, lm_head=lm_head))
+    x, embeds = torch.randn(4, 16), torch.randn(4, 3, 16)
+    projection = heads.output_projection(lm_head)
+    assert torch.equal(heads(x, projection, embeds), loaded(x, loaded.output_projection(lm_head), embeds))
     ignore = {"_name_or_path"}
     assert {k: v for k, v in loaded.config.to_dict().items() if k not in ignore} == {
         k: v for k, v in heads.config.to_dict().items() if k not in ignore}

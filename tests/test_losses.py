@@ -53,3 +53,29 @@ def test_backbone_kl_counts_only_positions_predicting_assistant_tokens():
     assert float(backbone_kl(student, teacher, mask)) < 1e-6
     student[0, 1] += torch.randn(6) * 5
     assert float(backbone_kl(student, teacher, mask)) > 0.01
+
+
+def test_acceptance_weighting_discounts_heads_after_a_miss():
+    V = 4
+    sure = torch.full((2, V), -30.0)
+    sure[0, 1] = sure[1, 2] = 30.0  # head 1 is certain: right at position 0, wrong at position 1
+    labels = [torch.tensor([1, 3]), torch.tensor([0, 0])]
+    second = torch.zeros(2, V, requires_grad=True)
+    total, per_head = heads_loss([sure, second], labels, weighting="acceptance")
+    total.backward()
+    # head 2's loss counts at position 0 only (head 1 was right there, surely wrong at position 1)
+    assert second.grad[0].abs().sum() > 0 and second.grad[1].abs().sum() < 1e-6
+    assert torch.allclose(per_head[1], torch.tensor(math.log(V)))
+
+
+def test_labels_outside_the_draft_vocabulary_are_misses_not_losses():
+    from medusa_heads.training.losses import draft_labels
+
+    vocab_index = torch.tensor([-1, 0, -1, 1])  # draft vocabulary: tokens 1 and 3
+    labels = draft_labels(torch.tensor([3, 2, -100]), vocab_index)
+    assert labels.tolist() == [1, -1, -100]
+    logits = torch.tensor([[0.0, 5.0], [5.0, 0.0], [5.0, 0.0]])
+    hits, counts = rank_hits([logits], [labels], top_k=2)
+    assert hits.tolist() == [[1, 0]] and counts.tolist() == [2]
+    _, per_head = heads_loss([logits], [labels])
+    assert torch.allclose(per_head[0], torch.log1p(torch.exp(torch.tensor(-5.0))))

@@ -198,3 +198,39 @@ def test_shipped_recipes_and_deepspeed_configs_are_valid():
         if cfg.deepspeed_config:
             ds = json.loads((configs.parent / cfg.deepspeed_config).read_text())
             assert ds["zero_optimization"]["stage"] in (2, 3)
+
+
+@pytest.fixture(scope="module")
+def pairs_data(tmp_path_factory):
+    """Answers of random words, each said twice: the token after next is known only to heads that read the
+    next token (Hydra); from the hidden state alone it is a guess among 16 words."""
+    rng = random.Random(0)
+    words = "cat dog sun tree car book fish bird milk rain door road lamp king ship song".split()
+    rows = []
+    for _ in range(160):
+        answer = " ".join(w for w in rng.choices(words, k=14) for _ in range(2))
+        rows.append({"messages": [{"role": "user", "content": "Say words twice."},
+                                  {"role": "assistant", "content": answer}]})
+    path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_hydra_heads_use_the_path_and_train_on_a_draft_vocabulary(tiny_backbone, pairs_data, tmp_path):
+    common = dict(num_heads=1, max_steps=60, held_out_fraction=0.15, draft_vocab_coverage=0.99, eval_every=60)
+    train(recipe(tiny_backbone, pairs_data, tmp_path / "medusa", **common))
+    train(recipe(tiny_backbone, pairs_data, tmp_path / "hydra", head_type="hydra", **common))
+    medusa = json.loads((tmp_path / "medusa" / "heads" / "head_accuracies.json").read_text())["top1"][0]
+    hydra = json.loads((tmp_path / "hydra" / "heads" / "head_accuracies.json").read_text())["top1"][0]
+    # Half the positions are a second word (a copy of the next token): only Hydra can know them (measured after
+    # 60 steps: 0.04 for Medusa, 0.37 for Hydra; a chance guess among 16 words is 0.06).
+    assert medusa < 0.15 and hydra > 0.25, (medusa, hydra)
+    heads = load_heads(tmp_path / "hydra" / "heads")
+    assert heads.config.head_type == "hydra" and 16 <= heads.config.draft_vocab_size < 100
+
+
+def test_acceptance_weighting_trains(tiny_backbone, counting_data, tmp_path):
+    result = train(recipe(tiny_backbone, counting_data, tmp_path / "run", loss_weighting="acceptance",
+                          head_type="hydra", share_lm_head=False))
+    losses = [h["loss"] for h in result["history"]]
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5

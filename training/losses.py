@@ -24,42 +24,80 @@ def head_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: in
     return labels, teacher_pos
 
 
+def follow_embeddings(embed: torch.nn.Module, input_ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, T] -> [B, T, n, H]: at t, the embeddings of tokens t + 1 .. t + n (zeros past the end), what Hydra
+    head j reads (its first j + 1) when teacher-forced with the sequence's own tokens."""
+    e = embed(input_ids)  # [B, T, H]
+    return torch.stack([F.pad(e[:, i:], (0, 0, 0, i)) for i in range(1, n + 1)], dim=2)
+
+
+def draft_labels(labels: torch.Tensor, vocab_index: torch.Tensor | None) -> torch.Tensor:
+    """Token-id labels -> indices into the heads' draft vocabulary: -1 where the token is outside it (a sure
+    miss), -100 kept where there is no label."""
+    if vocab_index is None:
+        return labels
+    return torch.where(labels >= 0, vocab_index[labels.clamp(min=0)], labels)
+
+
 def head_weights(num_heads: int, decay: float) -> list[float]:
     """decay ** k for heads k = 1..K."""
     return [decay ** (j + 1) for j in range(num_heads)]
 
 
 def heads_loss(logits: list[torch.Tensor], labels: list[torch.Tensor], decay: float = 0.8, kind: str = "ce",
-               teacher_logits: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Per head j: logits [N_j, V] at its labelled positions, labels [N_j] -> (weighted total, per-head losses).
+               teacher_logits: list[torch.Tensor] | None = None,
+               weighting: str = "decay") -> tuple[torch.Tensor, list[torch.Tensor]]:
+    r"""
+    Per head j: logits [N, V] and labels [N] at the same N positions (-100: head j has no label there, -1: its
+    label is outside the draft vocabulary) -> (weighted total, per-head mean losses).
 
-    `kind="kl"` matches the backbone's own distribution instead, teacher_logits[j]: [N_j, V].
+    `kind="kl"` matches the backbone's own distribution instead, teacher_logits[j]: [N, V].
+    `weighting="decay"` weighs head k by decay ** k. `weighting="acceptance"` weighs head k's loss at each
+    position by the probability (under the heads, not differentiated) that heads 1..k-1 guessed their tokens
+    there: a head's guess only counts when the path before it was accepted.
     """
-    per_head = []
+    per_head, totals = [], []
+    reached = None  # [N] probability that the heads before this one were right
     for j, (lg, lb) in enumerate(zip(logits, labels)):
-        if lb.numel() == 0:
-            per_head.append(lg.sum() * 0.0)
-        elif kind == "ce":
-            per_head.append(F.cross_entropy(lg.float(), lb))
+        logp = F.log_softmax(lg.float(), -1)
+        if kind == "ce":
+            loss = -logp.gather(-1, lb.clamp(min=0)[:, None])[:, 0]
+            keep = lb >= 0
         elif kind == "kl":
-            per_head.append(F.kl_div(F.log_softmax(lg.float(), -1), F.log_softmax(teacher_logits[j].float(), -1),
-                                     log_target=True, reduction="batchmean"))
+            loss = F.kl_div(logp, F.log_softmax(teacher_logits[j].float(), -1), log_target=True,
+                            reduction="none").sum(-1)
+            keep = lb != -100
         else:
             raise ValueError(f"Unknown loss `{kind}`; use ce or kl.")
-    total = sum(w * l for w, l in zip(head_weights(len(per_head), decay), per_head))
-    return total, per_head
+        n = keep.sum().clamp(min=1)
+        loss = torch.where(keep, loss, 0.0)
+        per_head.append(loss.sum() / n)
+        if weighting == "acceptance":
+            weight = reached if reached is not None else torch.ones_like(loss)
+            totals.append((weight * loss).sum() / n)
+            with torch.no_grad():
+                right = torch.where(lb >= 0, logp.gather(-1, lb.clamp(min=0)[:, None])[:, 0].exp(), 0.0)
+                weight = weight * torch.where(lb == -100, 1.0, right)
+            reached = weight
+        elif weighting == "decay":
+            totals.append(decay ** (j + 1) * per_head[-1])
+        else:
+            raise ValueError(f"Unknown weighting `{weighting}`; use decay or acceptance.")
+    return sum(totals), per_head
 
 
 @torch.no_grad()
 def rank_hits(logits: list[torch.Tensor], labels: list[torch.Tensor], top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (hits [K, top_k]: how often the label sat at each rank, counts [K]: labelled positions per head)."""
+    """-> (hits [K, top_k]: how often the label sat at each rank, counts [K]: labelled positions per head).
+    Labels -100 are not counted; -1 (outside the draft vocabulary) count as misses."""
     hits = torch.zeros(len(logits), top_k, dtype=torch.long)
     counts = torch.zeros(len(logits), dtype=torch.long)
     for j, (lg, lb) in enumerate(zip(logits, labels)):
-        if lb.numel():
-            top = lg.topk(top_k, dim=-1).indices  # [N, top_k]
-            hits[j] += (top == lb[:, None]).sum(dim=0).cpu()
-            counts[j] += lb.numel()
+        keep = lb != -100
+        if keep.any():
+            top = lg[keep].topk(top_k, dim=-1).indices  # [N, top_k]
+            hits[j] += (top == lb[keep][:, None]).sum(dim=0).cpu()
+            counts[j] += int(keep.sum())
     return hits, counts
 
 

@@ -1,6 +1,7 @@
 """Training recipes: plain YAML files of overrides on `TrainConfig`, then `--key value` flags."""
 
 import dataclasses
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,9 +23,13 @@ class TrainConfig:
     num_heads: int = 4
     num_layers: int = 1
     share_lm_head: bool = True  # False: each head owns a projection initialised from the backbone's
+    head_type: str = "medusa"  # medusa: hidden state only; hydra: also the embeddings of the path's tokens
+    draft_vocab_size: int | None = None  # heads guess among the N most frequent assistant tokens only
+    draft_vocab_coverage: float | None = None  # ... or among as few as cover this share of them (e.g. 0.99)
     # objective
     loss: str = "ce"  # ce: hard labels; kl: the backbone's own distribution (free from the same forward)
     decay: float = 0.8  # head k weighs decay ** k
+    loss_weighting: str = "decay"  # decay, or acceptance: head k's loss counts as much as heads 1..k-1 were right
     # optimisation
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
@@ -60,6 +65,12 @@ class TrainConfig:
     def __post_init__(self):
         if self.loss not in ("ce", "kl"):
             raise MedusaError(f"`loss` must be ce or kl, got {self.loss!r}.")
+        if self.head_type not in ("medusa", "hydra"):
+            raise MedusaError(f"`head_type` must be medusa or hydra, got {self.head_type!r}.")
+        if self.loss_weighting not in ("decay", "acceptance"):
+            raise MedusaError(f"`loss_weighting` must be decay or acceptance, got {self.loss_weighting!r}.")
+        if self.draft_vocab_size is not None and self.draft_vocab_coverage is not None:
+            raise MedusaError("Give `draft_vocab_size` or `draft_vocab_coverage`, not both.")
         if not 0 < self.decay <= 1:
             raise MedusaError(f"`decay` must be in (0, 1], got {self.decay}.")
         if self.num_heads < 1 or self.max_steps < 1 or self.batch_size < 1:
@@ -73,8 +84,14 @@ class TrainConfig:
             raise MedusaError(f"`held_out_fraction` must be in [0, 1), got {self.held_out_fraction}.")
 
 
-def _coerce(name: str, value, default):
-    kind = type(default) if default is not None else str
+def _coerce(name: str, value, annotation):
+    """A recipe or command-line value -> the field's type (`int | None` fields take an int or null)."""
+    kinds = [k for k in typing.get_args(annotation) if k is not type(None)] or [annotation]
+    kind = kinds[0]
+    if value is None or (isinstance(value, str) and value.lower() in ("null", "none") and kind is not str):
+        if type(None) in typing.get_args(annotation):
+            return None
+        raise MedusaError(f"`{name}` takes a {kind.__name__}, not null.")
     if isinstance(value, str) and kind is not str:
         if kind is bool:
             if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
@@ -84,10 +101,10 @@ def _coerce(name: str, value, default):
             return kind(value)
         except ValueError:
             raise MedusaError(f"`{name}` takes a {kind.__name__}, got {value!r}.") from None
-    if value is not None and default is not None and not isinstance(value, kind) and not (
-            kind is float and isinstance(value, int)):
+    if not isinstance(value, kind) and not (kind is float and isinstance(value, int)) or (
+            kind is not bool and isinstance(value, bool)):
         raise MedusaError(f"`{name}` takes a {kind.__name__}, got {value!r}.")
-    return float(value) if kind is float and isinstance(value, int) else value
+    return float(value) if kind is float else value
 
 
 def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
@@ -103,8 +120,8 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
         if not isinstance(values, dict):
             raise MedusaError(f"Recipe `{path}` must be a mapping of keys to values.")
     values.update(overrides or {})
-    defaults = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(values) - set(defaults))
+    types = {f.name: f.type for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(values) - set(types))
     if unknown:
-        raise MedusaError(f"Unknown recipe key(s) {', '.join(unknown)}; known: {', '.join(defaults)}.")
-    return TrainConfig(**{k: _coerce(k, v, defaults[k]) for k, v in values.items()})
+        raise MedusaError(f"Unknown recipe key(s) {', '.join(unknown)}; known: {', '.join(types)}.")
+    return TrainConfig(**{k: _coerce(k, v, types[k]) for k, v in values.items()})

@@ -20,7 +20,8 @@ from medusa_heads.model import untrained_heads
 
 from .data import load_examples
 from .hidden_states import HiddenStateCache, compute_hidden, pad_batch
-from .losses import backbone_kl, head_targets, heads_loss, rank_hits
+from .draft_vocab import frequent_tokens
+from .losses import backbone_kl, draft_labels, follow_embeddings, head_targets, heads_loss, rank_hits
 from .recipe import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -41,20 +42,23 @@ def batch_order(n_examples: int, batch_size: int, epoch: int, seed: int) -> list
     return [perm[i : i + batch_size] for i in range(0, n_examples - batch_size + 1, batch_size)] or [perm]
 
 
-def heads_forward(heads, lm_head, hidden, input_ids, loss_mask, cfg: TrainConfig):
-    """-> (per-head logits at labelled positions, their labels, teacher logits or None)."""
+def heads_forward(heads, lm_head, embed, hidden, input_ids, loss_mask, cfg: TrainConfig, vocab_index=None):
+    """-> (per-head logits [N, V_out], labels [N] and teacher logits or None) at the N positions where any
+    head has a label; see `heads_loss` for the label codes."""
     labels, teacher_pos = head_targets(input_ids, loss_mask, cfg.num_heads)
-    states = heads.head_states(hidden.to(next(heads.parameters()).dtype))  # [K, B, T, H]
-    logits, targets, teachers = [], [], []
-    for j in range(cfg.num_heads):
-        valid = labels[j] != -100  # [B, T]
-        logits.append(heads.project(j, states[j][valid], lm_head))  # [N_j, V]
-        targets.append(labels[j][valid])
-        if cfg.loss == "kl":
-            b_idx = torch.nonzero(valid, as_tuple=True)[0]
-            with torch.no_grad():
-                teachers.append(lm_head(hidden[b_idx, teacher_pos[j][valid]].to(lm_head.weight.dtype)))
-    return logits, targets, teachers or None
+    where = (labels != -100).any(dim=0)  # [B, T]
+    dtype = next(heads.parameters()).dtype
+    states = hidden[where].to(dtype)  # [N, H]
+    embeds = follow_embeddings(embed, input_ids, cfg.num_heads)[where].to(dtype) if heads.is_hydra else None
+    logits = [heads.project(j, heads.head_state(j, states, embeds), lm_head) for j in range(cfg.num_heads)]
+    targets = [draft_labels(labels[j][where], vocab_index) for j in range(cfg.num_heads)]
+    teachers = None
+    if cfg.loss == "kl":
+        b_idx = torch.nonzero(where, as_tuple=True)[0]
+        with torch.no_grad():
+            teachers = [lm_head(hidden[b_idx, teacher_pos[j][where]].to(lm_head.weight.dtype))
+                        for j in range(cfg.num_heads)]
+    return logits, targets, teachers
 
 
 def free_port() -> int:
@@ -93,11 +97,20 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     all_examples = train_set + held_out  # held-out rows sit after the training rows
     if len(train_set) < cfg.batch_size:
         raise MedusaError(f"Only {len(train_set)} training conversations for `batch_size` {cfg.batch_size}.")
-    # The heads train in fp32 (autocast for mixed precision); so does the frozen projection they share.
-    lm_head = copy.deepcopy(backbone.get_output_embeddings()).float().requires_grad_(False)
-
-    heads = untrained_heads(backbone, cfg.model, cfg.num_heads, cfg.num_layers, cfg.share_lm_head)
+    draft_vocab, vocab_index = None, None
+    if cfg.draft_vocab_size or cfg.draft_vocab_coverage:
+        vocab = backbone.get_output_embeddings().weight.shape[0]
+        draft_vocab, covered = frequent_tokens(train_set, vocab, cfg.draft_vocab_size, cfg.draft_vocab_coverage)
+        vocab_index = torch.full((vocab,), -1, dtype=torch.long)
+        vocab_index[draft_vocab] = torch.arange(draft_vocab.numel())
+        logger.info("draft vocabulary: %d tokens cover %.2f%% of the training targets", draft_vocab.numel(),
+                    100 * covered)
+    heads = untrained_heads(backbone, cfg.model, cfg.num_heads, cfg.num_layers, cfg.share_lm_head,
+                            head_type=cfg.head_type, draft_vocab=draft_vocab)
     heads = heads.to(torch.float32).train()
+    # The heads train in fp32 (autocast for mixed precision); so do the frozen projection and embeddings they read.
+    lm_head = heads.output_projection(copy.deepcopy(backbone.get_output_embeddings()).float().requires_grad_(False))
+    embed = copy.deepcopy(backbone.get_input_embeddings()).float().requires_grad_(False) if heads.is_hydra else None
     if cfg.medusa2:
         from peft import LoraConfig, get_peft_model
 
@@ -120,6 +133,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
                 accelerator.device, f", DeepSpeed ZeRO-{plugin.zero_stage}" if plugin else "")
     backbone.to(accelerator.device)
     lm_head.to(accelerator.device)
+    if embed is not None:
+        embed.to(accelerator.device)
+    if vocab_index is not None:
+        vocab_index = vocab_index.to(accelerator.device)
 
     trainable = list(heads.parameters()) + [p for p in backbone.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
@@ -153,8 +170,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         ids, mask, attn = (t.to(accelerator.device) for t in pad_batch([all_examples[i] for i in indices]))
         with torch.set_grad_enabled(not warm):
             student, hidden = backbone_forward(backbone, ids, None, attention_mask=attn)
-        logits, targets, teachers = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
-        heads_total, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers)
+        logits, targets, teachers = heads_forward(raw_heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
+        heads_total, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers, cfg.loss_weighting)
         if warm:
             return heads_total, per_head, mask
         with torch.no_grad(), accelerator.unwrap_model(backbone).disable_adapter():
@@ -170,7 +187,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
             idx = list(range(b, min(b + cfg.batch_size, len(held_out))))
             hidden, ids, mask = batch_inputs(idx, len(train_set))
             with accelerator.autocast():
-                logits, targets, _ = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
+                logits, targets, _ = heads_forward(raw_heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
             h, c = rank_hits(logits, targets, cfg.top_k)
             hits += h
             counts += c
@@ -218,8 +235,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
                     loss, per_head, mask = medusa2_loss(indices, warm=step < cfg.heads_warmup_steps)
                 else:
                     hidden, ids, mask = batch_inputs(indices, 0)
-                    logits, targets, teachers = heads_forward(raw_heads, lm_head, hidden, ids, mask, cfg)
-                    loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers)
+                    logits, targets, teachers = heads_forward(raw_heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
+                    loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers, cfg.loss_weighting)
                 if not torch.isfinite(loss):
                     last = latest_checkpoint(output_dir)
                     raise MedusaError(f"The loss became {loss.item()} at step {step}; stopped. The last good "
