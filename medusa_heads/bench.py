@@ -1,7 +1,9 @@
 """`medusa-heads bench`: methods side by side on the same prompts, interleaved in one process.
 
 Every method decodes every prompt `repeats` times, in rotating order, after a warm-up; the speed-up of a
-method is the median over prompts of its tokens/s divided by HF greedy's on the same prompt.
+method is the median over prompts of its tokens/s divided by HF greedy's on the same prompt. Peak memory is
+what a method needs beyond the backbone and heads, which every method shares: its run's peak (`PeakMemory`)
+plus its draft model's weights.
 """
 
 import json
@@ -16,9 +18,11 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from medusa_heads.backbone import load_backbone
 from medusa_heads.errors import MedusaError
 from medusa_heads.inference import GenerationStats, generate_ids, make_drafter
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
+from medusa_heads.memory import PeakMemory
 from medusa_heads.tree import load_tree
 
 
@@ -27,36 +31,86 @@ class Run:
     token_ids: list[int]
     seconds: float
     stats: GenerationStats | None = None
+    tree_nodes: int | None = None  # the drafter's largest tree
+    weight_bytes: int = 0  # weights the method needs beyond the backbone and heads (a draft model)
+    peak_bytes: int | None = None  # PeakMemory of the run: its working memory
 
 
-def hf_method(prompt_lookup: int | None = None):
+MB = 2**20
+
+
+def weight_bytes(module: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+class DraftModels:
+    """Draft models by path, loaded once like the backbone, shared by the methods that name the same one."""
+
+    def __init__(self):
+        self.loaded = {}
+
+    def get(self, path: str, model):
+        if path not in self.loaded:
+            self.loaded[path] = load_backbone(path, dtype=model.backbone.dtype, device=model.device)
+        return self.loaded[path]
+
+
+def hf_method(prompt_lookup: int | None = None, assistant: str | None = None, drafts: DraftModels | None = None):
     def run(model, input_ids, max_new_tokens):
         kw = {"prompt_lookup_num_tokens": prompt_lookup} if prompt_lookup else {}
+        if assistant is not None:
+            kw["assistant_model"] = drafts.get(assistant, model)
         start = time.perf_counter()
         out = model.backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                       max_new_tokens=max_new_tokens, **kw)
-        return Run(out[0, input_ids.shape[1]:].tolist(), time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        extra = weight_bytes(kw["assistant_model"]) if assistant is not None else 0
+        return Run(out[0, input_ids.shape[1]:].tolist(), seconds, weight_bytes=extra)
+    return run
+
+
+def drafter_method(name: str, tree: str = "", draft_model: str | None = None, drafts: DraftModels | None = None,
+                   **options):
+    """Tree decoding with `make_drafter(model, tree, name=name, **options)`; `draft_model` is loaded by `drafts`."""
+    drafters = {}
+
+    def run(model, input_ids, max_new_tokens):
+        draft = drafts.get(draft_model, model) if draft_model is not None else None
+        if id(model) not in drafters:
+            extra = {"draft_model": draft} if draft is not None else {}
+            drafters[id(model)] = make_drafter(model, tree, name=name, **extra, **options)
+        drafter = drafters[id(model)]
+        stats = GenerationStats()
+        eos = eos_token_ids(model, None)
+        start = time.perf_counter()
+        ids = [t for chunk in generate_ids(model, input_ids, drafter, None, max_new_tokens, eos, None,
+                                           stats) for t in chunk]
+        return Run(ids, time.perf_counter() - start, stats, drafter.tree.size,
+                   weight_bytes(draft) if draft is not None else 0)
     return run
 
 
 def medusa_method(tree_name: str, ngram: bool = False):
-    drafters = {}
+    return drafter_method("medusa+ngram" if ngram else "medusa", tree_name)
 
-    def run(model, input_ids, max_new_tokens):
-        if id(model) not in drafters:
-            drafters[id(model)] = make_drafter(model, tree_name, ngram)
-        stats = GenerationStats()
-        eos = eos_token_ids(model, None)
-        start = time.perf_counter()
-        ids = [t for chunk in generate_ids(model, input_ids, drafters[id(model)], None, max_new_tokens, eos, None,
-                                           stats) for t in chunk]
-        return Run(ids, time.perf_counter() - start, stats)
-    return run
+
+def _int(text: str, method: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise MedusaError(f"Method `{method}` needs a positive integer where it has `{text}`.")
+    return int(text)
+
+
+def _with_length(spec: str, method: str) -> tuple[str, dict]:
+    """`X[:N]` -> (X, {"draft_length": N}, or {} without N)."""
+    head, sep, tail = spec.rpartition(":")
+    return (head, {"draft_length": _int(tail, method)}) if sep and tail.isdigit() else (spec, {})
 
 
 def make_methods(names: list[str]) -> dict:
     methods = {}
+    drafts = DraftModels()
     for name in names:
+        kind, _, spec = name.partition(":")
         if name == "hf":
             methods[name] = hf_method()
         elif name.startswith("hf-lookup"):
@@ -64,8 +118,21 @@ def make_methods(names: list[str]) -> dict:
         elif name.startswith(("medusa:", "medusa+ngram:")):
             load_tree(name.split(":", 1)[1])  # fail now on a bad tree, not after the warm-up
             methods[name] = medusa_method(name.split(":", 1)[1], ngram=name.startswith("medusa+ngram"))
+        elif kind == "ngram":
+            methods[name] = drafter_method("ngram", **({"draft_length": _int(spec, name)} if spec else {}))
+        elif kind in ("draft-model", "hf-assisted") and not spec:
+            raise MedusaError(f"Method `{name}` needs a draft model: `{kind}:PATH`.")
+        elif kind == "draft-model":
+            path, length = _with_length(spec, name)
+            methods[name] = drafter_method("draft-model", draft_model=path, drafts=drafts, **length)
+        elif kind == "hf-assisted":
+            methods[name] = hf_method(assistant=spec, drafts=drafts)
+        elif kind == "early-exit":
+            layers, length = _with_length(spec, name)
+            methods[name] = drafter_method("early-exit", exit_layer=_int(layers, name), **length)
         else:
-            raise MedusaError(f"Unknown method `{name}`; use hf, hf-lookup[:N], medusa:TREE or medusa+ngram:TREE.")
+            raise MedusaError(f"Unknown method `{name}`; use hf, hf-lookup[:N], hf-assisted:PATH, medusa:TREE, "
+                              "medusa+ngram:TREE, ngram[:N], draft-model:PATH[:N] or early-exit:LAYERS[:N].")
     if "hf" not in methods:
         methods = {"hf": hf_method(), **methods}  # the baseline every ratio is against
     return methods
@@ -124,7 +191,10 @@ def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_ne
         for r in range(repeats):
             rotation = order[(i + r) % len(order):] + order[: (i + r) % len(order)]
             for name in rotation:
-                runs[name].append(methods[name](model, ids, max_new_tokens))
+                with PeakMemory(model.device) as peak:
+                    run = methods[name](model, ids, max_new_tokens)
+                run.peak_bytes = peak.bytes
+                runs[name].append(run)
         base = runs["hf"][0].token_ids
         for name, rs in runs.items():
             tps = [len(x.token_ids) / x.seconds for x in rs]
@@ -134,8 +204,13 @@ def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_ne
                          "identical_to_hf": rs[0].token_ids == base,
                          "identical_to_fp32": rs[0].token_ids == fp32_outputs[i] if fp32_outputs else None,
                          "accepted_lengths": stats.accepted_lengths if stats else None,
-                         "head_acceptance": stats.head_acceptance if stats else None})
+                         "head_acceptance": stats.head_acceptance if stats else None,
+                         "tree_nodes": rs[0].tree_nodes, "weights_mb": rs[0].weight_bytes / MB,
+                         "peak_memory_mb": (max(x.peak_bytes + x.weight_bytes for x in rs) / MB
+                                            if rs[0].peak_bytes is not None else None)})
     return {"fingerprint": fingerprint(model), "max_new_tokens": max_new_tokens, "repeats": repeats,
+            "peak_memory": f"the largest over a method's runs of {PeakMemory.measures(model.device)}, plus the "
+                           "weights of its draft model if it has one",
             "rows": rows, "summary": summarize(rows)}
 
 
@@ -146,6 +221,8 @@ def summarize(rows: list[dict]) -> dict:
         mine = [r for r in rows if r["method"] == name]
         ratios = [r["tokens_per_second"] / base[r["prompt"]] for r in mine]
         lengths = [a for r in mine for a in (r["accepted_lengths"] or [])]
+        depth = max(len(r.get("head_acceptance") or []) for r in mine)
+        memory = [r["peak_memory_mb"] for r in mine if r.get("peak_memory_mb") is not None]
         by_cat = defaultdict(list)
         for r, ratio in zip(mine, ratios):
             by_cat[r["category"]].append(ratio)
@@ -158,30 +235,50 @@ def summarize(rows: list[dict]) -> dict:
             "identical_to_fp32": (sum(r["identical_to_fp32"] for r in mine)
                                   if mine[0]["identical_to_fp32"] is not None else None),
             "speedup_by_category": {c: statistics.median(v) for c, v in by_cat.items()},
+            "tree_nodes": mine[0].get("tree_nodes"),
+            # share of steps whose accepted path reached depth d + 1 (a step committing n tokens reached n - 1)
+            "acceptance_by_depth": ([sum(a > d + 1 for a in lengths) / len(lengths) for d in range(depth)]
+                                    if lengths else None),
+            "peak_memory_mb": max(memory) if memory else None,
         }
     return summary
 
 
 def markdown(result: dict) -> str:
-    fp32 = next(iter(result["summary"].values()))["identical_to_fp32"] is not None
+    summary = result["summary"]
+    fp32 = next(iter(summary.values()))["identical_to_fp32"] is not None
     lines = ["| method | tokens/s (median) | speed-up vs HF greedy (median, min-max) | mean accepted length | "
-             "identical to HF greedy |" + (" identical to fp32 greedy |" if fp32 else ""),
-             "|---|---|---|---|---|" + ("---|" if fp32 else "")]
-    for name, s in result["summary"].items():
-        mal = f"{s['mean_accepted_length']:.2f}" if s["mean_accepted_length"] else "1.00"
+             "identical to HF greedy |" + (" identical to fp32 greedy |" if fp32 else "") + " peak memory (MB) |",
+             "|---|---|---|---|---|---|" + ("---|" if fp32 else "")]
+    for name, s in summary.items():
+        mal = f"{s['mean_accepted_length']:.2f}" if s["mean_accepted_length"] else "-"
+        memory = s.get("peak_memory_mb")
         lines.append(f"| {name} | {s['tokens_per_second']:.1f} | {s['speedup_median']:.2f}x "
                      f"({s['speedup_min']:.2f}-{s['speedup_max']:.2f}) | {mal} | "
                      f"{s['identical_outputs']}/{s['prompts']} |"
-                     + (f" {s['identical_to_fp32']}/{s['prompts']} |" if fp32 else ""))
+                     + (f" {s['identical_to_fp32']}/{s['prompts']} |" if fp32 else "")
+                     + (f" {memory:.0f} |" if memory is not None else " - |"))
     fp = result["fingerprint"]
     lines.append(f"\n{fp['dtype']} on {fp['device']} ({fp['cpu']}, {fp['threads']} threads), torch {fp['torch']}, "
                  f"transformers {fp['transformers']}, {result['max_new_tokens']} new tokens, "
                  f"{result['repeats']} repeat(s).")
+    if "peak_memory" in result:
+        lines.append(f"Peak memory: {result['peak_memory']}.")
+    depths = {name: s["acceptance_by_depth"] for name, s in summary.items() if s.get("acceptance_by_depth")}
+    if depths:
+        deepest = max(len(a) for a in depths.values())
+        lines += ["", "Share of steps whose accepted path reached each depth:", "",
+                  "| method | tree nodes | " + " | ".join(f"depth {d + 1}" for d in range(deepest)) + " |",
+                  "|---|---|" + "---|" * deepest]
+        for name, shares in depths.items():
+            cells = [f"{a:.2f}" for a in shares] + [""] * (deepest - len(shares))
+            lines.append(f"| {name} | {summary[name]['tree_nodes']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot_report(result: dict, out: Path) -> list[Path]:
-    """Speed-up by method and category, and the accepted-length histogram of each tree method."""
+    """Speed-up by method and category, the accepted-length histogram of each tree method, and the speed-up of
+    the Medusa methods against their tree's size."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,9 +311,35 @@ def plot_report(result: dict, out: Path) -> list[Path]:
         ax.legend(fontsize=8)
         fig.tight_layout()
         paths.append(out / "accepted_lengths.png")
-        fig.savefig(paths[1], dpi=120)
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    families = tree_families(summary)
+    if families:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for family, trees in families.items():
+            points = sorted((summary[m]["tree_nodes"], summary[m]["speedup_median"], tree) for tree, m in trees)
+            ax.plot([x for x, _, _ in points], [y for _, y, _ in points], marker="o", label=family)
+            for x, y, tree in points:
+                ax.annotate(tree, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xlabel("tree nodes (root included)")
+        ax.set_ylabel("speed-up vs HF greedy (median)")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out / "speedup_vs_tree_size.png")
+        fig.savefig(paths[-1], dpi=120)
         plt.close(fig)
     return paths
+
+
+def tree_families(summary: dict) -> dict[str, list[tuple[str, str]]]:
+    """Medusa methods grouped by everything in their name but the tree: {"medusa": [("cpu-8", "medusa:cpu-8")]}."""
+    families = defaultdict(list)
+    for name in summary:
+        kind, *rest = name.split(":")
+        if kind.startswith("medusa") and rest and summary[name].get("tree_nodes"):
+            families[":".join([kind] + rest[1:])].append((rest[0], name))
+    return dict(families)
 
 
 def write_report(result: dict, out: Path) -> None:

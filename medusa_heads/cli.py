@@ -28,8 +28,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="backbone hub id or folder (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--heads", help="heads folder or hub id (default: the heads shipped for the model)")
     g.add_argument("--tree", default="cpu-8", help="a shipped tree name or a JSON file")
-    g.add_argument("--drafter", choices=["medusa", "medusa+ngram"], default="medusa",
-                   help="medusa+ngram adds a prompt-lookup chain to the tree, verified in the same forward")
+    g.add_argument("--drafter", choices=["medusa", "medusa+ngram", "ngram", "draft-model", "early-exit"],
+                   default="medusa", help="medusa+ngram adds a prompt-lookup chain to the tree, verified in the same "
+                   "forward; ngram, draft-model and early-exit draft a chain without the heads")
+    g.add_argument("--draft-model", help="draft-model: a small LM with the backbone's tokenizer (hub id or folder)")
+    g.add_argument("--draft-length", type=int, help="ngram, draft-model, early-exit: tokens per chain (default: 6 "
+                   "for ngram, 4 for the others)")
+    g.add_argument("--exit-layer", type=int, help="early-exit: draft with the backbone's first N layers")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--acceptance", choices=["greedy", "typical"], default="greedy")
     g.add_argument("--temperature", type=float, default=0.0, help="typical acceptance: sampling temperature")
@@ -55,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="speed and acceptance of several methods side by side")
     b.add_argument("--prompts", type=Path, required=True, help="jsonl with `prompt` (and `category`) per line")
     b.add_argument("--methods", default="hf,hf-lookup,medusa:cpu-8",
-                   help="comma-separated: hf, hf-lookup[:N], medusa:TREE")
+                   help="comma-separated: hf, hf-lookup[:N], hf-assisted:PATH, medusa:TREE, medusa+ngram:TREE, "
+                   "ngram[:N], draft-model:PATH[:N], early-exit:LAYERS[:N] (N: drafted tokens per step)")
     b.add_argument("--model", help="backbone (default: the embedded SmolLM2-135M-Instruct)")
     b.add_argument("--heads", help="heads folder (default: the heads shipped for the model)")
     b.add_argument("--max-new-tokens", type=int, default=128)
@@ -86,7 +92,8 @@ def _bench(args) -> None:
     result = bench(model, tokenizer, prompts, args.methods.split(","), args.max_new_tokens, args.repeats, fp32)
     write_report(result, args.out)
     print(markdown(result))
-    print(f"report: {args.out}/bench.json, bench.md, speedup_by_category.png, accepted_lengths.png")
+    print(f"report: {args.out}/bench.json, bench.md, speedup_by_category.png, accepted_lengths.png, "
+          "speedup_vs_tree_size.png")
 
 
 def _generate(args) -> None:
@@ -102,7 +109,8 @@ def _generate(args) -> None:
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     tokenizer = load_tokenizer(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL,
                                gguf_file=None if args.model else model.config.base_model_gguf_file)
-    drafter = make_drafter(model, args.tree, ngram=args.drafter == "medusa+ngram")
+    drafter = make_drafter(model, args.tree, name=args.drafter, draft_model=args.draft_model,
+                           draft_length=args.draft_length, exit_layer=args.exit_layer)
     acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
                                  device=model.device)
     if args.json:

@@ -1,4 +1,10 @@
-from medusa_heads.bench import markdown, summarize
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from medusa_heads import MedusaError, MedusaModel
+from medusa_heads.bench import bench, make_methods, markdown, summarize, tree_families, write_report
+from medusa_heads.model import untrained_heads
 
 
 def test_speedup_is_the_median_per_prompt_ratio_against_hf():
@@ -25,8 +31,6 @@ def test_speedup_is_the_median_per_prompt_ratio_against_hf():
 def test_report_files(tmp_path):
     import json
 
-    from medusa_heads.bench import write_report
-
     rows = [{"prompt": "a", "category": "x", "method": "hf", "tokens_per_second": 10.0, "identical_to_hf": True,
              "identical_to_fp32": None, "accepted_lengths": None},
             {"prompt": "a", "category": "x", "method": "medusa:cpu-8", "tokens_per_second": 12.0,
@@ -44,9 +48,6 @@ def test_report_files(tmp_path):
 def test_prompt_selection(tmp_path):
     import json
 
-    import pytest
-
-    from medusa_heads import MedusaError
     from medusa_heads.bench import read_bench_prompts
 
     path = tmp_path / "p.jsonl"
@@ -57,3 +58,61 @@ def test_prompt_selection(tmp_path):
     path.write_text('{"category": "a"}\n')
     with pytest.raises(MedusaError, match="not a JSON object with a `prompt`"):
         read_bench_prompts(path)
+
+
+@pytest.fixture(scope="module")
+def tiny(tokenizer, tmp_path_factory):
+    """A tiny random Llama with SmolLM2's vocabulary and untrained heads, and a tinier draft model saved to disk."""
+    def llama(layers, hidden):
+        return LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=hidden, intermediate_size=2 * hidden,
+                                            num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                                            eos_token_id=None, bos_token_id=None)).eval()
+
+    torch.manual_seed(0)
+    backbone = llama(2, 64)
+    draft = tmp_path_factory.mktemp("draft")
+    llama(1, 32).save_pretrained(draft)
+    return MedusaModel(backbone, untrained_heads(backbone, "tiny")), str(draft)
+
+
+METHODS = ["hf", "hf-lookup:3", "ngram:3", "early-exit:1:2", "medusa:chain-4", "medusa:cpu-8", "medusa+ngram:cpu-8"]
+
+
+def test_the_harness_on_a_tiny_model(tiny, tokenizer, tmp_path):
+    model, draft = tiny
+    prompts = [{"id": "a", "category": "x", "prompt": "Say hi."}, {"id": "b", "category": "y", "prompt": "Count."}]
+    methods = METHODS + [f"draft-model:{draft}:2", f"hf-assisted:{draft}"]
+    result = bench(model, tokenizer, prompts, methods, max_new_tokens=12)
+    summary = result["summary"]
+    assert list(summary) == methods
+    for name, s in summary.items():  # fp32 greedy: every method gives HF greedy's output
+        assert s["identical_outputs"] == s["prompts"] == 2, name
+    nodes = {name: s["tree_nodes"] for name, s in summary.items()}
+    assert nodes == {"hf": None, "hf-lookup:3": None, "ngram:3": 4, "early-exit:1:2": 3, "medusa:chain-4": 5,
+                     "medusa:cpu-8": 9, "medusa+ngram:cpu-8": 15, f"draft-model:{draft}:2": 3,
+                     f"hf-assisted:{draft}": None}
+    assert len(summary["medusa:chain-4"]["acceptance_by_depth"]) == 4 and summary["hf"]["acceptance_by_depth"] is None
+    draft_mb = [r["weights_mb"] for r in result["rows"] if r["method"] == f"draft-model:{draft}:2"][0]
+    assert draft_mb == pytest.approx(49152 * 32 * 4 * 2 / 2**20, rel=0.1)  # embeddings and LM head dominate
+    if summary["hf"]["peak_memory_mb"] is not None:  # measurable here (Linux or CUDA)
+        assert summary[f"hf-assisted:{draft}"]["peak_memory_mb"] >= draft_mb
+    write_report(result, tmp_path)
+    for png in ("speedup_by_category.png", "accepted_lengths.png", "speedup_vs_tree_size.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    table = (tmp_path / "bench.md").read_text()
+    assert "| medusa:cpu-8 | 9 |" in table and "Peak memory: the largest over a method's runs of" in table
+
+
+def test_method_names_and_their_errors():
+    assert tree_families({"medusa:cpu-8": {"tree_nodes": 9}, "medusa+ngram:cpu-8": {"tree_nodes": 15},
+                          "medusa:cpu-16:exact@0.7": {"tree_nodes": 16}, "ngram": {"tree_nodes": 7},
+                          "hf": {"tree_nodes": None}}) == {
+        "medusa": [("cpu-8", "medusa:cpu-8")], "medusa+ngram": [("cpu-8", "medusa+ngram:cpu-8")],
+        "medusa:exact@0.7": [("cpu-16", "medusa:cpu-16:exact@0.7")]}
+    assert list(make_methods(["ngram", "early-exit:12", "draft-model:/a/b:3", "hf-assisted:/a/b"])) == [
+        "hf", "ngram", "early-exit:12", "draft-model:/a/b:3", "hf-assisted:/a/b"]
+    for name, needle in [("draft-model:", "needs a draft model"), ("hf-assisted:", "needs a draft model"),
+                         ("early-exit:x", "positive integer"), ("ngram:0", "positive integer"),
+                         ("early-exit:4:y", "positive integer"), ("lookahead", "Unknown method")]:
+        with pytest.raises(MedusaError, match=needle):
+            make_methods([name])
