@@ -1,15 +1,17 @@
 """Tree decoding: propose candidates, verify them in one backbone forward, accept, compact the cache."""
 
-from .acceptance import Accepted, GreedyAcceptance, TypicalAcceptance, make_acceptance
+from .acceptance import Accepted, ExactAcceptance, GreedyAcceptance, TypicalAcceptance, make_acceptance
 from .draft_model import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
 from .drafters import Draft, MedusaDrafter, MedusaNgramDrafter, make_drafter, ngram_lookup
 from .generate import Generation, GenerationStats, generate, generate_ids, stream
+from .sampling import Warper
 
 __all__ = [
     "Accepted",
     "Draft",
     "DraftModelDrafter",
     "EarlyExitDrafter",
+    "ExactAcceptance",
     "Generation",
     "GenerationStats",
     "GreedyAcceptance",
@@ -17,6 +19,7 @@ __all__ = [
     "MedusaNgramDrafter",
     "NgramDrafter",
     "TypicalAcceptance",
+    "Warper",
     "generate",
     "generate_ids",
     "make_acceptance",

@@ -1,11 +1,13 @@
 """Acceptance rules: given a drafted tree and the backbone's logits at every node, pick the path to keep.
 
 A rule also chooses the token after the last accepted node (the bonus token, which becomes the next root).
-`greedy` reproduces the backbone's greedy decoding exactly; `typical` is Medusa's faster, lossy rule.
+`greedy` reproduces the backbone's greedy decoding exactly; `exact` samples exactly from the backbone's
+distribution; `typical` is Medusa's faster, lossy rule.
 """
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
 
 import torch
@@ -13,6 +15,7 @@ import torch
 from medusa_heads.errors import MedusaError
 
 from .drafters import Draft
+from .sampling import Warper
 
 
 @dataclass
@@ -105,12 +108,92 @@ class TypicalAcceptance:
         return Accepted(nodes, bonus)
 
 
+@lru_cache(maxsize=64)
+def _siblings(paths: tuple, device: str) -> tuple[list[list[int]], torch.Tensor]:
+    """A tree's children of each node in tree order, and [T, S] the siblings before each node, padded with T."""
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
+    children: list[list[int]] = [[] for _ in index]
+    for p in paths:
+        children[index[p[:-1]]].append(index[p])
+    width = max(len(c) for c in children) - 1
+    earlier = [[len(index)] * width for _ in index]
+    for kids in children:
+        for i, node in enumerate(kids):
+            earlier[node][:i] = kids[:i]
+    return children, torch.tensor(earlier, dtype=torch.long, device=device)
+
+
+class ExactAcceptance:
+    r"""
+    Lossless sampling: the tokens come out distributed exactly as ancestral sampling from the backbone with
+    HF generate's warpers (`Warper`: temperature, top-k, top-p), however good or bad the draft.
+
+    From the root, at each accepted node its children are tried in tree order (the heads' rank order): child c
+    is accepted with probability q_res(c), q being the warped distribution after the node and q_res that
+    distribution with the tokens of the siblings already rejected zeroed and renormalised. When every child is
+    rejected, or the node is a leaf, the bonus token is drawn from what is left of q_res. Each token is then
+    q-distributed. This is speculative sampling for drafts whose tokens are a fixed function of the context
+    (the heads' top-k, n-gram copies), which is what every drafter here proposes. A child repeating an earlier
+    sibling's token is skipped: that token was rejected, so its q_res is 0.
+
+    Args:
+        temperature, top_k, top_p: the warpers, as in HF `generate(do_sample=True)`.
+        generator: torch RNG on the logits' device, for reproducible runs.
+    """
+
+    def __init__(self, temperature: float = 0.7, top_k: int = 0, top_p: float = 1.0,
+                 generator: torch.Generator | None = None):
+        self.warper = Warper(temperature, top_k, top_p)
+        self.generator = generator
+
+    def first_token(self, logits: torch.Tensor) -> int:
+        return int(torch.multinomial(self.warper.probs(logits), 1, generator=self.generator))
+
+    def siblings(self, draft: Draft) -> tuple[list[list[int]], torch.Tensor]:
+        """(children of each node, [T, S] earlier siblings of each node) of the draft's tree."""
+        return _siblings(draft.tree.paths, str(draft.tree.parent.device))
+
+    def acceptance_probs(self, draft: Draft, probs: torch.Tensor) -> torch.Tensor:
+        """[T] q_res of each node's token after its parent, given that its earlier siblings were rejected."""
+        _, earlier = self.siblings(draft)
+        vocab = probs.shape[1]
+        rows = torch.nn.functional.pad(probs, (0, 1))[draft.tree.parent.clamp(min=0)]  # [T, V + 1]
+        rejected = torch.cat([draft.tokens, draft.tokens.new_tensor([vocab])])[earlier]  # padding -> column V
+        rows.scatter_(1, rejected, 0.0)
+        # A node whose earlier siblings cover q's support gets 0 / 0 = NaN, never accepted; it is never tried
+        # either: the sibling completing the cover had q_res = 1.
+        return rows.gather(1, draft.tokens[:, None])[:, 0] / rows.sum(dim=1)
+
+    def accept(self, draft: Draft, logits: torch.Tensor) -> Accepted:
+        probs = self.warper.probs(logits)  # [T, V]
+        children, _ = self.siblings(draft)
+        coins = torch.rand(draft.tree.size, device=probs.device, generator=self.generator)
+        accepted = (coins < self.acceptance_probs(draft, probs)).tolist()  # each node's coin, if it is tried
+        nodes = [0]
+        while (child := next((c for c in children[nodes[-1]] if accepted[c]), None)) is not None:
+            nodes.append(child)
+        bonus = int(torch.multinomial(self.residual(draft, probs, nodes[-1]), 1, generator=self.generator))
+        return Accepted(torch.tensor(nodes, device=logits.device), bonus)
+
+    def residual(self, draft: Draft, probs: torch.Tensor, node: int) -> torch.Tensor:
+        """[V] q after `node` without its children's tokens (all rejected), unnormalised: the bonus token's law."""
+        children, _ = self.siblings(draft)
+        residual = probs[node].clone()
+        residual[draft.tokens[children[node]]] = 0.0
+        return residual
+
+
 def make_acceptance(name: str, temperature: float = 0.0, epsilon: float = 0.09, delta: float = 0.3,
-                    seed: int | None = None, device: str | torch.device = "cpu") -> Acceptance:
-    """`greedy` or `typical`, by name, as the CLI names them; `device` is where the logits will be."""
+                    seed: int | None = None, device: str | torch.device = "cpu", top_k: int = 0,
+                    top_p: float = 1.0) -> Acceptance:
+    """`greedy`, `exact` or `typical`, by name, as the CLI names them; `device` is where the logits will be."""
+    if name not in ("greedy", "exact", "typical"):
+        raise MedusaError(f"Unknown acceptance `{name}`; use greedy, exact or typical.")
+    if name != "exact" and (top_k != 0 or top_p != 1.0):
+        raise MedusaError(f"`top_k` and `top_p` apply to exact acceptance only, not to {name}.")
     if name == "greedy":
         return GreedyAcceptance()
-    if name == "typical":
-        generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-        return TypicalAcceptance(temperature or 0.7, epsilon, delta, generator)
-    raise MedusaError(f"Unknown acceptance `{name}`; use greedy or typical.")
+    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    if name == "exact":
+        return ExactAcceptance(temperature, top_k, top_p, generator)
+    return TypicalAcceptance(temperature or 0.7, epsilon, delta, generator)

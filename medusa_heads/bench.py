@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from medusa_heads.backbone import load_backbone
 from medusa_heads.errors import MedusaError
-from medusa_heads.inference import GenerationStats, generate_ids, make_drafter
+from medusa_heads.inference import GenerationStats, generate_ids, make_acceptance, make_drafter
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
 from medusa_heads.memory import PeakMemory
 from medusa_heads.tree import load_tree
@@ -69,9 +69,21 @@ def hf_method(prompt_lookup: int | None = None, assistant: str | None = None, dr
     return run
 
 
+def hf_sample_method(temperature: float):
+    """HF `generate` sampling at `temperature` alone (no top-k or top-p), seeded per run: the sampling baseline."""
+    def run(model, input_ids, max_new_tokens):
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        out = model.backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                                      temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)
+        return Run(out[0, input_ids.shape[1]:].tolist(), time.perf_counter() - start)
+    return run
+
+
 def drafter_method(name: str, tree: str = "", draft_model: str | None = None, drafts: DraftModels | None = None,
-                   **options):
-    """Tree decoding with `make_drafter(model, tree, name=name, **options)`; `draft_model` is loaded by `drafts`."""
+                   sampling: tuple[str, float] | None = None, **options):
+    """Tree decoding with `make_drafter(model, tree, name=name, **options)`; `draft_model` is loaded by `drafts`.
+    `sampling`: (acceptance rule, temperature), seeded per run; greedy without it."""
     drafters = {}
 
     def run(model, input_ids, max_new_tokens):
@@ -82,16 +94,43 @@ def drafter_method(name: str, tree: str = "", draft_model: str | None = None, dr
         drafter = drafters[id(model)]
         stats = GenerationStats()
         eos = eos_token_ids(model, None)
+        acceptance = make_acceptance(*sampling, seed=0, device=model.device) if sampling else None
         start = time.perf_counter()
-        ids = [t for chunk in generate_ids(model, input_ids, drafter, None, max_new_tokens, eos, None,
+        ids = [t for chunk in generate_ids(model, input_ids, drafter, acceptance, max_new_tokens, eos, None,
                                            stats) for t in chunk]
         return Run(ids, time.perf_counter() - start, stats, drafter.tree.size,
                    weight_bytes(draft) if draft is not None else 0)
     return run
 
 
-def medusa_method(tree_name: str, ngram: bool = False):
-    return drafter_method("medusa+ngram" if ngram else "medusa", tree_name)
+def medusa_method(tree_name: str, ngram: bool = False, sampling: tuple[str, float] | None = None):
+    return drafter_method("medusa+ngram" if ngram else "medusa", tree_name, sampling=sampling)
+
+
+def sampled(method: str) -> bool:
+    """Sampled methods (`...@T`) have no single right output: they are not compared with greedy ones."""
+    return "@" in method
+
+
+def _temperature(text: str, method: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:
+        raise MedusaError(f"Method `{method}` needs a temperature > 0 after `@`, got `{text}`.")
+    return value
+
+
+def _with_sampling(spec: str, method: str) -> tuple[str, tuple[str, float] | None]:
+    """`TREE[:RULE@T]` -> (TREE, (RULE, T)) for exact or typical sampling at T, (TREE, None) for greedy."""
+    tree, sep, tail = spec.rpartition(":")
+    if not sep or "@" not in tail:
+        return spec, None
+    rule, _, temperature = tail.partition("@")
+    if rule not in ("exact", "typical"):
+        raise MedusaError(f"Method `{method}` samples with exact@T or typical@T, not `{tail}`.")
+    return tree, (rule, _temperature(temperature, method))
 
 
 def _int(text: str, method: str) -> int:
@@ -113,11 +152,14 @@ def make_methods(names: list[str]) -> dict:
         kind, _, spec = name.partition(":")
         if name == "hf":
             methods[name] = hf_method()
+        elif name.startswith("hf-sample@"):
+            methods[name] = hf_sample_method(_temperature(name.split("@", 1)[1], name))
         elif name.startswith("hf-lookup"):
             methods[name] = hf_method(int(name.split(":")[1]) if ":" in name else 10)
         elif name.startswith(("medusa:", "medusa+ngram:")):
-            load_tree(name.split(":", 1)[1])  # fail now on a bad tree, not after the warm-up
-            methods[name] = medusa_method(name.split(":", 1)[1], ngram=name.startswith("medusa+ngram"))
+            tree, sampling = _with_sampling(name.split(":", 1)[1], name)
+            load_tree(tree)  # fail now on a bad tree, not after the warm-up
+            methods[name] = medusa_method(tree, ngram=name.startswith("medusa+ngram"), sampling=sampling)
         elif kind == "ngram":
             methods[name] = drafter_method("ngram", **({"draft_length": _int(spec, name)} if spec else {}))
         elif kind in ("draft-model", "hf-assisted") and not spec:
@@ -131,8 +173,9 @@ def make_methods(names: list[str]) -> dict:
             layers, length = _with_length(spec, name)
             methods[name] = drafter_method("early-exit", exit_layer=_int(layers, name), **length)
         else:
-            raise MedusaError(f"Unknown method `{name}`; use hf, hf-lookup[:N], hf-assisted:PATH, medusa:TREE, "
-                              "medusa+ngram:TREE, ngram[:N], draft-model:PATH[:N] or early-exit:LAYERS[:N].")
+            raise MedusaError(f"Unknown method `{name}`; use hf, hf-sample@T, hf-lookup[:N], hf-assisted:PATH, "
+                              "medusa:TREE[:exact@T|:typical@T], medusa+ngram:TREE[:...], ngram[:N], "
+                              "draft-model:PATH[:N] or early-exit:LAYERS[:N].")
     if "hf" not in methods:
         methods = {"hf": hf_method(), **methods}  # the baseline every ratio is against
     return methods
@@ -201,8 +244,9 @@ def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_ne
             stats = rs[0].stats
             rows.append({"prompt": p["id"], "category": p["category"], "method": name,
                          "tokens": len(rs[0].token_ids), "tokens_per_second": statistics.median(tps),
-                         "identical_to_hf": rs[0].token_ids == base,
-                         "identical_to_fp32": rs[0].token_ids == fp32_outputs[i] if fp32_outputs else None,
+                         "identical_to_hf": rs[0].token_ids == base if not sampled(name) else None,
+                         "identical_to_fp32": (rs[0].token_ids == fp32_outputs[i]
+                                               if fp32_outputs and not sampled(name) else None),
                          "accepted_lengths": stats.accepted_lengths if stats else None,
                          "head_acceptance": stats.head_acceptance if stats else None,
                          "tree_nodes": rs[0].tree_nodes, "weights_mb": rs[0].weight_bytes / MB,
@@ -231,7 +275,8 @@ def summarize(rows: list[dict]) -> dict:
             "speedup_median": statistics.median(ratios),
             "speedup_min": min(ratios), "speedup_max": max(ratios),
             "mean_accepted_length": sum(lengths) / len(lengths) if lengths else None,
-            "identical_outputs": sum(r["identical_to_hf"] for r in mine), "prompts": len(mine),
+            "identical_outputs": (sum(r["identical_to_hf"] for r in mine)
+                                  if mine[0]["identical_to_hf"] is not None else None), "prompts": len(mine),
             "identical_to_fp32": (sum(r["identical_to_fp32"] for r in mine)
                                   if mine[0]["identical_to_fp32"] is not None else None),
             "speedup_by_category": {c: statistics.median(v) for c, v in by_cat.items()},
@@ -242,6 +287,10 @@ def summarize(rows: list[dict]) -> dict:
             "peak_memory_mb": max(memory) if memory else None,
         }
     return summary
+
+
+def _share(count: int | None, total: int) -> str:
+    return "-" if count is None else f"{count}/{total}"
 
 
 def markdown(result: dict) -> str:
@@ -255,8 +304,8 @@ def markdown(result: dict) -> str:
         memory = s.get("peak_memory_mb")
         lines.append(f"| {name} | {s['tokens_per_second']:.1f} | {s['speedup_median']:.2f}x "
                      f"({s['speedup_min']:.2f}-{s['speedup_max']:.2f}) | {mal} | "
-                     f"{s['identical_outputs']}/{s['prompts']} |"
-                     + (f" {s['identical_to_fp32']}/{s['prompts']} |" if fp32 else "")
+                     f"{_share(s['identical_outputs'], s['prompts'])} |"
+                     + (f" {_share(s['identical_to_fp32'], s['prompts'])} |" if fp32 else "")
                      + (f" {memory:.0f} |" if memory is not None else " - |"))
     fp = result["fingerprint"]
     lines.append(f"\n{fp['dtype']} on {fp['device']} ({fp['cpu']}, {fp['threads']} threads), torch {fp['torch']}, "

@@ -36,10 +36,15 @@ def _parser() -> argparse.ArgumentParser:
                    "for ngram, 4 for the others)")
     g.add_argument("--exit-layer", type=int, help="early-exit: draft with the backbone's first N layers")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--acceptance", choices=["greedy", "typical"], default="greedy")
-    g.add_argument("--temperature", type=float, default=0.0, help="typical acceptance: sampling temperature")
+    g.add_argument("--acceptance", choices=["greedy", "exact", "typical"], default="greedy",
+                   help="greedy: the backbone's greedy output; exact: sampling, exactly the backbone's distribution; "
+                   "typical: Medusa's faster, lossy sampling")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="exact and typical acceptance: sampling temperature (typical: default 0.7)")
     g.add_argument("--epsilon", type=float, default=0.09, help="typical acceptance: hard threshold")
     g.add_argument("--delta", type=float, default=0.3, help="typical acceptance: entropy-scaled threshold")
+    g.add_argument("--top-k", type=int, default=0, help="exact acceptance: sample from the K likeliest tokens (0: all)")
+    g.add_argument("--top-p", type=float, default=1.0, help="exact acceptance: nucleus sampling mass (1: all)")
     g.add_argument("--seed", type=int, help="seed for sampling")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
@@ -61,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", type=Path, required=True, help="jsonl with `prompt` (and `category`) per line")
     b.add_argument("--methods", default="hf,hf-lookup,medusa:cpu-8",
                    help="comma-separated: hf, hf-lookup[:N], hf-assisted:PATH, medusa:TREE, medusa+ngram:TREE, "
-                   "ngram[:N], draft-model:PATH[:N], early-exit:LAYERS[:N] (N: drafted tokens per step)")
+                   "ngram[:N], draft-model:PATH[:N], early-exit:LAYERS[:N] (N: drafted tokens per step); sampling: "
+                   "hf-sample@T, medusa:TREE:exact@T, medusa:TREE:typical@T")
     b.add_argument("--model", help="backbone (default: the embedded SmolLM2-135M-Instruct)")
     b.add_argument("--heads", help="heads folder (default: the heads shipped for the model)")
     b.add_argument("--max-new-tokens", type=int, default=128)
@@ -106,13 +112,13 @@ def _generate(args) -> None:
     if args.max_new_tokens < 1:
         raise MedusaError(f"`--max-new-tokens` must be at least 1, got {args.max_new_tokens}.")
     load_tree(args.tree)  # a broken tree fails before the model loads
+    acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
+                                 device=args.device, top_k=args.top_k, top_p=args.top_p)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     tokenizer = load_tokenizer(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL,
                                gguf_file=None if args.model else model.config.base_model_gguf_file)
     drafter = make_drafter(model, args.tree, name=args.drafter, draft_model=args.draft_model,
                            draft_length=args.draft_length, exit_layer=args.exit_layer)
-    acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
-                                 device=model.device)
     if args.json:
         result = generate(model, tokenizer, args.prompt, drafter, acceptance, args.max_new_tokens, args.stop, args.raw)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, **result.stats.as_dict(),
