@@ -186,3 +186,39 @@ def test_medusa_plus_ngram_drafter_stays_exact(model, backbone, references, tree
         assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
         stats_all.append(stats.mean_accepted_length)
     assert max(stats_all) > 1.2  # repetitive greedy text: the n-gram branch is accepted somewhere
+
+
+@pytest.fixture(scope="module")
+def hydra_model(backbone):
+    from medusa_heads import MedusaModel
+    from medusa_heads.model import untrained_heads
+
+    torch.manual_seed(0)
+    heads = untrained_heads(backbone, "smollm2-135m-embedded", head_type="hydra", draft_vocab=torch.randperm(49152)[:4096])
+    for mixer in heads.mixers:
+        mixer.weight.data.normal_(std=0.02)  # the path changes the guesses
+    return MedusaModel(backbone, heads)
+
+
+def test_hydra_tree_is_filled_path_by_path(hydra_model, tokenizer):
+    tree = build_tree(load_tree("cpu-16"))
+    drafter = MedusaDrafter(hydra_model, tree)
+    ids = encode_prompt(tokenizer, "Name a colour.")
+    cache = new_cache(hydra_model.backbone)
+    _, hidden = prefill(hydra_model, ids, cache)
+    tokens = drafter.fill(DecodeState(ids[0].tolist() + [42], 42, hidden), tree)
+    for node, path in enumerate(tree.paths, start=1):  # each node: its parent's guess of its rank, given the path
+        ancestors = [tree.paths.index(path[:d]) + 1 for d in range(1, len(path))]
+        path_tokens = torch.tensor([[42] + tokens[ancestors].tolist()])
+        guesses, _ = hydra_model.head_topk(hidden, path_tokens, path[-1] + 1)
+        assert int(tokens[node]) == int(guesses[0, path[-1]])
+
+
+def test_greedy_with_hydra_heads_equals_hf_generate(hydra_model, backbone, references):
+    from medusa_heads.inference import make_drafter
+
+    for drafter in (MedusaDrafter(hydra_model, build_tree(load_tree("cpu-16"))),
+                    make_drafter(hydra_model, "cpu-8", ngram=True)):
+        for ids, reference in references[:3]:
+            ours = decode(hydra_model, ids, drafter)
+            assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
