@@ -31,6 +31,8 @@ class Drafter(Protocol):
 
     def propose(self, state: DecodeState) -> Draft: ...
 
+    # Optional: `observe(draft, accepted)`, called by the decoding loop after each step's acceptance.
+
 
 class MedusaDrafter:
     """Heads run once, on the last accepted hidden state; head d's top-k fill the tree's depth-d nodes."""
@@ -157,11 +159,16 @@ class MedusaNgramDrafter:
 
 
 def make_drafter(model: MedusaModel, tree_name_or_file: str, ngram: bool = False, name: str | None = None,
-                 **options) -> Drafter:
+                 budget: int | None = None, **options) -> Drafter:
     """The CLI's drafters by name: the Medusa tree, optionally with an n-gram branch (`ngram` or
-    `name="medusa+ngram"`); other names (ngram, draft-model, early-exit) are `draft_model.py`'s, given `options`."""
+    `name="medusa+ngram"`); `dynamic` and `adaptive` grow their tree each step within `budget` nodes
+    (`dynamic.py`); other names (ngram, draft-model, early-exit) are `draft_model.py`'s, given `options`."""
     from medusa_heads.tree import build_tree, load_tree
 
+    if name in ("dynamic", "adaptive"):
+        from .dynamic import make_dynamic_drafter
+
+        return make_dynamic_drafter(model, name, budget)
     if name not in (None, "medusa", "medusa+ngram"):
         from .draft_model import make_headless_drafter
 

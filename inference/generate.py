@@ -10,6 +10,7 @@ from transformers import PreTrainedTokenizerBase
 from medusa_heads.backbone import backbone_forward
 from medusa_heads.errors import MedusaError
 from medusa_heads.model import MedusaModel
+from medusa_heads.tree import TreeBuffers
 
 from .acceptance import Acceptance, Accepted, GreedyAcceptance
 from .cache import check_compactable, compact_cache, new_cache
@@ -22,6 +23,10 @@ class GenerationStats:
     new_tokens: int = 0
     accepted_lengths: list[int] = field(default_factory=list)  # tokens committed per tree step, bonus included
     depth_accepts: list[int] = field(default_factory=list)  # [D] steps whose accepted path reached depth d + 1
+    # [D][r] steps whose accepted node at depth d + 1 had rank r among its parent's children (its head's top-k
+    # rank for a static tree; its place among the parent's guesses for a dynamic one)
+    rank_accepts: list[list[int]] = field(default_factory=list)
+    first_rejections: list[int] = field(default_factory=list)  # [D] steps whose first rejection was at depth d + 1
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
 
@@ -40,6 +45,46 @@ class GenerationStats:
         return [n / max(self.steps, 1) for n in self.depth_accepts]
 
     @property
+    def accepted_length_counts(self) -> list[int]:
+        """Histogram: [n - 1] steps that committed n tokens, for n = 1..D + 1."""
+        counts = [0] * (len(self.depth_accepts) + 1)
+        for n in self.accepted_lengths:
+            counts[n - 1] += 1
+        return counts
+
+    @property
+    def depth_acceptance(self) -> list[float | None]:
+        """Per depth: P(a node is accepted | its parent was and had children drafted); None if never tried."""
+        return [a / (a + r) if a + r else None for a, r in zip(self.depth_accepts, self.first_rejections)]
+
+    @property
+    def rank_acceptance(self) -> list[list[float]]:
+        """[D][r]: share of steps whose accepted node at depth d + 1 had rank r."""
+        return [[n / max(self.steps, 1) for n in row] for row in self.rank_accepts]
+
+    @property
+    def steps_without_rejection(self) -> int:
+        """Steps whose accepted path ended at a leaf: every drafted token on it was accepted."""
+        return self.steps - sum(self.first_rejections)
+
+    def init_depths(self, max_depth: int) -> None:
+        """Zero the per-depth counters for trees up to `max_depth` deep."""
+        self.depth_accepts = [0] * max_depth
+        self.rank_accepts = [[] for _ in range(max_depth)]
+        self.first_rejections = [0] * max_depth
+
+    def record(self, tree: TreeBuffers, accepted: Accepted) -> None:
+        """One step: the path `accepted` in the drafted `tree`."""
+        self.accepted_lengths.append(accepted.depth + 1)
+        for d, rank in enumerate(tree.rank[accepted.nodes[1:]].tolist()):
+            self.depth_accepts[d] += 1
+            row = self.rank_accepts[d]
+            row.extend([0] * (rank + 1 - len(row)))
+            row[rank] += 1
+        if bool((tree.parent == accepted.nodes[-1]).any()):  # its children were drafted and all rejected
+            self.first_rejections[accepted.depth] += 1
+
+    @property
     def tokens_per_second(self) -> float:
         total = self.prefill_seconds + self.decode_seconds
         return self.new_tokens / total if total > 0 else 0.0
@@ -52,6 +97,13 @@ class GenerationStats:
             "mean_accepted_length": self.mean_accepted_length,
             "accepted_lengths": self.accepted_lengths,
             "head_acceptance": self.head_acceptance,
+            "accepted_length_counts": self.accepted_length_counts,
+            "depth_accepts": self.depth_accepts,
+            "depth_acceptance": self.depth_acceptance,
+            "rank_accepts": self.rank_accepts,
+            "rank_acceptance": self.rank_acceptance,
+            "first_rejections": self.first_rejections,
+            "steps_without_rejection": self.steps_without_rejection,
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
             "tokens_per_second": self.tokens_per_second,
@@ -77,13 +129,19 @@ def verify(model: MedusaModel, draft: Draft, cache, past_len: int) -> tuple[torc
 
 
 def tree_decode_step(model: MedusaModel, drafter: Drafter, acceptance: Acceptance, cache,
-                     state: DecodeState) -> tuple[Accepted, list[int], torch.Tensor]:
-    """Returns (accepted path, new tokens: accepted drafts + bonus, hidden state that predicted the bonus)."""
+                     state: DecodeState, stats: GenerationStats | None = None
+                     ) -> tuple[Accepted, list[int], torch.Tensor]:
+    """Returns (accepted path, new tokens: accepted drafts + bonus, hidden state that predicted the bonus).
+    The step is recorded in `stats` and, for a drafter that learns from its results, passed to its `observe`."""
     past_len = cache.get_seq_length()
     draft = drafter.propose(state)
     logits, hidden = verify(model, draft, cache, past_len)
     accepted = acceptance.accept(draft, logits)
     compact_cache(cache, past_len, accepted.nodes)
+    if stats is not None:
+        stats.record(draft.tree, accepted)
+    if hasattr(drafter, "observe"):
+        drafter.observe(draft, accepted)
     new = draft.tokens[accepted.nodes[1:]].tolist() + [accepted.bonus]
     return accepted, new, hidden[accepted.nodes[-1]]
 
@@ -128,7 +186,7 @@ def generate_ids(
             f"({tree_size}) exceed the model's context of {context} tokens; shorten the prompt or max_new_tokens."
         )
     stats.prompt_tokens = input_ids.shape[1]
-    stats.depth_accepts = [0] * drafter.tree.max_depth
+    stats.init_depths(drafter.tree.max_depth)
     eos = set(eos_token_ids)
     if max_new_tokens <= 0:
         return
@@ -148,10 +206,7 @@ def generate_ids(
     start = time.perf_counter()
     while not done:
         state = DecodeState(sequence, root, hidden)
-        accepted, tokens, hidden = tree_decode_step(model, drafter, acceptance, cache, state)
-        stats.accepted_lengths.append(len(tokens))
-        for d in range(accepted.depth):
-            stats.depth_accepts[d] += 1
+        _, tokens, hidden = tree_decode_step(model, drafter, acceptance, cache, state, stats)
         tokens, done = _cut(tokens, max_new_tokens - len(new_ids), eos)
         if stop is not None and (keep := stop(new_ids + tokens)) is not None:
             tokens, done = tokens[: max(keep - len(new_ids), 0)], True

@@ -169,13 +169,17 @@ def make_methods(names: list[str]) -> dict:
             methods[name] = drafter_method("draft-model", draft_model=path, drafts=drafts, **length)
         elif kind == "hf-assisted":
             methods[name] = hf_method(assistant=spec, drafts=drafts)
+        elif kind == "dynamic":
+            methods[name] = drafter_method("dynamic", budget=_int(spec, name) if spec else None)
+        elif kind == "adaptive":
+            methods[name] = drafter_method("adaptive", budget=_int(spec, name) if spec else None)
         elif kind == "early-exit":
             layers, length = _with_length(spec, name)
             methods[name] = drafter_method("early-exit", exit_layer=_int(layers, name), **length)
         else:
             raise MedusaError(f"Unknown method `{name}`; use hf, hf-sample@T, hf-lookup[:N], hf-assisted:PATH, "
                               "medusa:TREE[:exact@T|:typical@T], medusa+ngram:TREE[:...], ngram[:N], "
-                              "draft-model:PATH[:N] or early-exit:LAYERS[:N].")
+                              "draft-model:PATH[:N], early-exit:LAYERS[:N], dynamic[:N] or adaptive[:N].")
     if "hf" not in methods:
         methods = {"hf": hf_method(), **methods}  # the baseline every ratio is against
     return methods
@@ -249,6 +253,9 @@ def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_ne
                                                if fp32_outputs and not sampled(name) else None),
                          "accepted_lengths": stats.accepted_lengths if stats else None,
                          "head_acceptance": stats.head_acceptance if stats else None,
+                         "depth_accepts": stats.depth_accepts if stats else None,
+                         "rank_accepts": stats.rank_accepts if stats else None,
+                         "first_rejections": stats.first_rejections if stats else None,
                          "tree_nodes": rs[0].tree_nodes, "weights_mb": rs[0].weight_bytes / MB,
                          "peak_memory_mb": (max(x.peak_bytes + x.weight_bytes for x in rs) / MB
                                             if rs[0].peak_bytes is not None else None)})
@@ -256,6 +263,53 @@ def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_ne
             "peak_memory": f"the largest over a method's runs of {PeakMemory.measures(model.device)}, plus the "
                            "weights of its draft model if it has one",
             "rows": rows, "summary": summarize(rows)}
+
+
+def _add(lists) -> list:
+    """Element-wise sum of lists of any lengths."""
+    total = []
+    for values in lists:
+        total.extend([0] * (len(values) - len(total)))
+        for i, x in enumerate(values):
+            total[i] += x
+    return total
+
+
+def acceptance_detail(rows: list[dict]) -> dict:
+    """One method's steps over all its prompts: acceptance by depth given the parent was accepted and had children
+    drafted, accepted ranks (a dynamic tree's are per-parent child order) as shares of steps, and the first-rejection
+    histogram by depth (with the steps that reached a leaf)."""
+    rows = [r for r in rows if r.get("depth_accepts") is not None]
+    if not rows:
+        return {"depth_acceptance": None, "rank_acceptance": None, "first_rejections": None,
+                "steps_without_rejection": None}
+    steps = sum(len(r["accepted_lengths"]) for r in rows)
+    accepts, rejections = _add(r["depth_accepts"] for r in rows), _add(r["first_rejections"] for r in rows)
+    ranks = [_add(r["rank_accepts"][d] for r in rows if d < len(r["rank_accepts"])) for d in range(len(accepts))]
+    return {"depth_acceptance": [a / (a + j) if a + j else None for a, j in zip(accepts, rejections)],
+            "rank_acceptance": [[n / steps for n in row] for row in ranks],
+            "first_rejections": rejections, "steps_without_rejection": steps - sum(rejections)}
+
+
+def acceptance_table(summary: dict, ranks: int = 4) -> list[str]:
+    """Markdown lines: per tree method, acceptance by depth, the first-rejection histogram, accepted ranks."""
+    names = [name for name, s in summary.items() if s.get("depth_acceptance") is not None]
+    if not names:
+        return []
+    lines = ["", "Acceptance by depth given the parent was accepted, where the accepted path was first rejected "
+             f"(share of steps), and the accepted node's rank at each depth (share of steps, ranks 0-{ranks - 1}):",
+             "", "| method | acceptance by depth | first rejection at depth 1, 2, ...; none | accepted rank by depth |",
+             "|---|---|---|---|"]
+    for name in names:
+        s = summary[name]
+        steps = sum(s["first_rejections"]) + s["steps_without_rejection"]
+        by_depth = ", ".join("-" if a is None else f"{a:.2f}" for a in s["depth_acceptance"])
+        rejected = ", ".join(f"{n / max(steps, 1):.2f}" for n in s["first_rejections"])
+        rank = "; ".join(f"{d + 1}: " + " ".join(f"{x:.2f}" for x in row[:ranks])
+                         for d, row in enumerate(s["rank_acceptance"]) if row)
+        lines.append(f"| {name} | {by_depth} | {rejected}; {s['steps_without_rejection'] / max(steps, 1):.2f} | "
+                     f"{rank} |")
+    return lines
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -280,6 +334,7 @@ def summarize(rows: list[dict]) -> dict:
             "identical_to_fp32": (sum(r["identical_to_fp32"] for r in mine)
                                   if mine[0]["identical_to_fp32"] is not None else None),
             "speedup_by_category": {c: statistics.median(v) for c, v in by_cat.items()},
+            **acceptance_detail(mine),
             "tree_nodes": mine[0].get("tree_nodes"),
             # share of steps whose accepted path reached depth d + 1 (a step committing n tokens reached n - 1)
             "acceptance_by_depth": ([sum(a > d + 1 for a in lengths) / len(lengths) for d in range(depth)]
@@ -322,6 +377,7 @@ def markdown(result: dict) -> str:
         for name, shares in depths.items():
             cells = [f"{a:.2f}" for a in shares] + [""] * (deepest - len(shares))
             lines.append(f"| {name} | {summary[name]['tree_nodes']} | " + " | ".join(cells) + " |")
+    lines += acceptance_table(summary)
     return "\n".join(lines) + "\n"
 
 

@@ -28,13 +28,18 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="backbone hub id or folder (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--heads", help="heads folder or hub id (default: the heads shipped for the model)")
     g.add_argument("--tree", default="cpu-8", help="a shipped tree name or a JSON file")
-    g.add_argument("--drafter", choices=["medusa", "medusa+ngram", "ngram", "draft-model", "early-exit"],
+    g.add_argument("--drafter", choices=["medusa", "medusa+ngram", "ngram", "draft-model", "early-exit", "dynamic",
+                                         "adaptive"],
                    default="medusa", help="medusa+ngram adds a prompt-lookup chain to the tree, verified in the same "
                    "forward; ngram, draft-model and early-exit draft a chain without the heads")
     g.add_argument("--draft-model", help="draft-model: a small LM with the backbone's tokenizer (hub id or folder)")
     g.add_argument("--draft-length", type=int, help="ngram, draft-model, early-exit: tokens per chain (default: 6 "
                    "for ngram, 4 for the others)")
     g.add_argument("--exit-layer", type=int, help="early-exit: draft with the backbone's first N layers")
+    g.add_argument("--budget", type=int, help="dynamic: drafted nodes per step (default 16); adaptive: the most "
+                   "it may choose (default 32); the tree grows each step from the heads' confidence")
+    g.add_argument("--stats", action="store_true", help="also print acceptance by depth and rank, the accepted-length "
+                   "histogram and where paths were first rejected")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--acceptance", choices=["greedy", "exact", "typical"], default="greedy",
                    help="greedy: the backbone's greedy output; exact: sampling, exactly the backbone's distribution; "
@@ -66,8 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", type=Path, required=True, help="jsonl with `prompt` (and `category`) per line")
     b.add_argument("--methods", default="hf,hf-lookup,medusa:cpu-8",
                    help="comma-separated: hf, hf-lookup[:N], hf-assisted:PATH, medusa:TREE, medusa+ngram:TREE, "
-                   "ngram[:N], draft-model:PATH[:N], early-exit:LAYERS[:N] (N: drafted tokens per step); sampling: "
-                   "hf-sample@T, medusa:TREE:exact@T, medusa:TREE:typical@T")
+                   "ngram[:N], draft-model:PATH[:N], early-exit:LAYERS[:N] (N: drafted tokens per step), dynamic[:N], "
+                   "adaptive[:N] (N: the node budget, the most for adaptive); sampling: hf-sample@T, "
+                   "medusa:TREE:exact@T, medusa:TREE:typical@T")
     b.add_argument("--model", help="backbone (default: the embedded SmolLM2-135M-Instruct)")
     b.add_argument("--heads", help="heads folder (default: the heads shipped for the model)")
     b.add_argument("--max-new-tokens", type=int, default=128)
@@ -114,11 +120,14 @@ def _generate(args) -> None:
     load_tree(args.tree)  # a broken tree fails before the model loads
     acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
                                  device=args.device, top_k=args.top_k, top_p=args.top_p)
+    if args.budget is not None and (args.drafter not in ("dynamic", "adaptive") or args.budget < 0):
+        raise MedusaError(f"`--budget` takes a node count >= 0 for --drafter dynamic or adaptive, got {args.budget} "
+                          f"with --drafter {args.drafter}.")
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     tokenizer = load_tokenizer(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL,
                                gguf_file=None if args.model else model.config.base_model_gguf_file)
     drafter = make_drafter(model, args.tree, name=args.drafter, draft_model=args.draft_model,
-                           draft_length=args.draft_length, exit_layer=args.exit_layer)
+                           draft_length=args.draft_length, exit_layer=args.exit_layer, budget=args.budget)
     if args.json:
         result = generate(model, tokenizer, args.prompt, drafter, acceptance, args.max_new_tokens, args.stop, args.raw)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, **result.stats.as_dict(),
@@ -133,6 +142,25 @@ def _generate(args) -> None:
     print(f"[{stats.new_tokens} tokens in {stats.steps} steps, mean accepted length "
           f"{stats.mean_accepted_length:.2f}, {stats.tokens_per_second:.1f} tokens/s; per-head acceptance "
           f"{', '.join(f'{a:.2f}' for a in stats.head_acceptance)}]", file=sys.stderr)
+    if args.stats:
+        print("\n".join(_stats_lines(stats)), file=sys.stderr)
+
+
+def _stats_lines(stats) -> list[str]:
+    def share(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    counts = stats.accepted_length_counts
+    lines = ["accepted tokens per step (bonus included): "
+             + ", ".join(f"{n + 1}: {c}" for n, c in enumerate(counts)) + f" steps (of {stats.steps})",
+             "acceptance by depth, given the parent was accepted and had children drafted: "
+             + ", ".join(f"{d + 1}: {share(a)}" for d, a in enumerate(stats.depth_acceptance)),
+             "first rejection by depth: " + ", ".join(f"{d + 1}: {n}" for d, n in enumerate(stats.first_rejections))
+             + f" steps; none (a leaf was reached): {stats.steps_without_rejection}",
+             "accepted rank among its parent's children, share of steps:"]
+    lines += [f"  depth {d + 1}: " + ", ".join(f"r{r} {x:.2f}" for r, x in enumerate(row))
+              for d, row in enumerate(stats.rank_acceptance) if row]
+    return lines
 
 
 def _distill(args) -> None:

@@ -39,39 +39,39 @@ class TreeBuffers:
 
 
 def build_tree(paths, device: str | torch.device = "cpu") -> TreeBuffers:
-    return _build(validate_tree(paths), str(torch.device(device)))
+    return canonical_tree(validate_tree(paths), device)
 
 
-@lru_cache(maxsize=64)
+def canonical_tree(paths: tuple[Path_, ...], device: str | torch.device = "cpu") -> TreeBuffers:
+    """`build_tree` for paths already valid and in canonical order (as `validate_tree` returns them), unchecked:
+    for drafters that grow a new tree every step. `()` is the root alone."""
+    return _build(paths, str(torch.device(device)))
+
+
+@lru_cache(maxsize=256)
 def _build(paths: tuple[Path_, ...], device: str) -> TreeBuffers:
+    # Plain lists, then one tensor each: per-element tensor writes would cost about 1 ms for 16 nodes.
     index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
-    nodes = [()] + list(paths)
-    n = len(nodes)
-    parent = [-1] + [index[p[:-1]] for p in paths]
+    chains = [[0]]  # node ids from the root down to each node
+    for i, p in enumerate(paths, 1):
+        chains.append(chains[index[p[:-1]]] + [i])
+    n = len(chains)
     mask = torch.zeros(n, n, dtype=torch.bool)
-    for i, p in enumerate(nodes):
-        for d in range(len(p) + 1):
-            mask[i, index[p[:d]]] = True
-    children = {p[:-1] for p in paths}
-    leaves = [p for p in nodes if p not in children]
-    depth = max(len(p) for p in nodes)
-    retrieve = torch.zeros(len(leaves), depth + 1, dtype=torch.long)
-    valid = torch.zeros(len(leaves), depth + 1, dtype=torch.bool)
-    for row, leaf in enumerate(leaves):
-        ids = [index[leaf[:d]] for d in range(len(leaf) + 1)]
-        retrieve[row, : len(ids)] = torch.tensor(ids)
-        valid[row, : len(ids)] = True
+    mask[[i for i, c in enumerate(chains) for _ in c], [j for c in chains for j in c]] = True
+    parents = {index[p[:-1]] for p in paths}
+    leaves = [c for i, c in enumerate(chains) if i not in parents]
+    width = max(len(c) for c in chains)
 
-    def t(values):
-        return torch.tensor(values, dtype=torch.long, device=device)
+    def t(values, dtype=torch.long):
+        return torch.tensor(values, dtype=dtype, device=device)
 
     return TreeBuffers(
         paths=paths,
-        depth=t([len(p) for p in nodes]),
-        parent=t(parent),
-        head=t([max(len(p) - 1, 0) for p in nodes]),
-        rank=t([p[-1] if p else 0 for p in nodes]),
+        depth=t([len(c) - 1 for c in chains]),
+        parent=t([-1] + [index[p[:-1]] for p in paths]),
+        head=t([max(len(c) - 2, 0) for c in chains]),
+        rank=t([0] + [p[-1] for p in paths]),
         mask=mask.to(device),
-        retrieve=retrieve.to(device),
-        retrieve_valid=valid.to(device),
+        retrieve=t([c + [0] * (width - len(c)) for c in leaves]),
+        retrieve_valid=t([[True] * len(c) + [False] * (width - len(c)) for c in leaves], torch.bool),
     )
