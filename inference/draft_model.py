@@ -52,8 +52,8 @@ class DraftModelDrafter:
 
     Each step the cache is brought in line with the committed sequence: the drafted tokens the backbone
     rejected are cropped and the tokens committed since the last call are fed in one forward. The draft is
-    deterministic (argmax), so greedy acceptance is exact and so is an exact-sampling rule for deterministic
-    drafts; rejection sampling with the draft's probabilities is not needed for that.
+    deterministic (argmax), so greedy acceptance is exact and so is `ExactAcceptance`, the exact-sampling rule
+    for deterministic drafts: rejection sampling with the draft's probabilities is not needed for exactness.
 
     Args:
         model: the backbone (with heads, unused here) that verifies the drafts.
@@ -79,9 +79,10 @@ class DraftModelDrafter:
         """Crop the cache to its longest prefix of `token_ids` (leaving at least the last token out: its logits
         are needed); return the tokens to feed."""
         if self.cache is None or token_ids[: self.committed] != self.cached[: self.committed]:
-            self.cache, self.cached = DynamicCache(config=self.draft.config), []  # another sequence: start over
-        keep = 0
+            # another sequence: start over
+            self.cache, self.cached, self.committed = DynamicCache(config=self.draft.config), [], 0
         limit = min(len(self.cached), len(token_ids) - 1)
+        keep = min(self.committed, limit)  # the committed part matches: only the drafted tokens need a look
         while keep < limit and self.cached[keep] == token_ids[keep]:
             keep += 1
         if len(self.cached) > keep:
