@@ -39,15 +39,22 @@ def compute_hidden(backbone, input_ids: torch.Tensor, attention_mask: torch.Tens
     return hidden
 
 
+def example_hash(example: Example) -> str:
+    """What the hidden states depend on: the token ids (the loss mask does not change them)."""
+    return hashlib.sha256(json.dumps(example.input_ids).encode()).hexdigest()
+
+
 def cache_key(model: str, examples: list[Example], dtype: torch.dtype) -> str:
+    """The same examples in any order (another split or shuffle) give the same key."""
     digest = hashlib.sha256(json.dumps([model, str(dtype)]).encode())
-    for e in examples:
-        digest.update(json.dumps(e.input_ids).encode())
+    for h in sorted({example_hash(e) for e in examples}):
+        digest.update(h.encode())
     return digest.hexdigest()[:20]
 
 
 class HiddenStateCache:
-    """Per example, its hidden states [T_i, H] in the backbone's dtype; built in batches, stored as safetensors."""
+    """Per example, its hidden states [T_i, H] in the backbone's dtype; built in batches, stored as safetensors.
+    The file holds each distinct example once, in the order of their hashes, so any order of them finds it."""
 
     def __init__(self, states: list[torch.Tensor]):
         self.states = states
@@ -55,12 +62,28 @@ class HiddenStateCache:
     @classmethod
     def build(cls, backbone, model_name: str, examples: list[Example], batch_size: int = 8,
               folder: Path | None = None) -> "HiddenStateCache":
+        hashes = [example_hash(e) for e in examples]
+        distinct = dict(zip(hashes, examples))  # repeated conversations are computed and stored once
+        keys = sorted(distinct)
         path = (folder or cache_home() / "hidden") / f"{cache_key(model_name, examples, backbone.dtype)}.safetensors"
         if path.exists():
             logger.info("reusing cached hidden states %s", path)
             flat = load_file(path)
-            return cls(list(torch.split(flat["hidden"], flat["lengths"].tolist())))
-        order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))
+            stored = list(torch.split(flat["hidden"], flat["lengths"].tolist()))
+        else:
+            stored = cls._compute(backbone, [distinct[h] for h in keys], batch_size)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes building the same cache do not collide
+            lengths = torch.tensor([s.shape[0] for s in stored])
+            save_file({"hidden": torch.cat(stored).contiguous(), "lengths": lengths}, tmp)
+            tmp.replace(path)
+            logger.info("cached hidden states of %d tokens in %s", int(lengths.sum()), path)
+        by_hash = dict(zip(keys, stored))
+        return cls([by_hash[h] for h in hashes])
+
+    @staticmethod
+    def _compute(backbone, examples: list[Example], batch_size: int) -> list[torch.Tensor]:
+        order = sorted(range(len(examples)), key=lambda i: len(examples[i].input_ids))  # little padding
         states: list[torch.Tensor | None] = [None] * len(examples)
         for b in tqdm(range(0, len(order), batch_size), desc="hidden states", unit="batch"):
             idx = order[b : b + batch_size]
@@ -68,13 +91,7 @@ class HiddenStateCache:
             hidden = compute_hidden(backbone, ids, attn).cpu()
             for row, i in enumerate(idx):
                 states[i] = hidden[row, : len(examples[i].input_ids)].clone()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes building the same cache do not collide
-        lengths = torch.tensor([s.shape[0] for s in states])
-        save_file({"hidden": torch.cat(states).contiguous(), "lengths": lengths}, tmp)
-        tmp.replace(path)
-        logger.info("cached hidden states of %d tokens in %s", int(lengths.sum()), path)
-        return cls(states)
+        return states
 
     def batch(self, indices: list[int]) -> torch.Tensor:
         """-> [B, T_max, H], zero-padded on the right like `pad_batch`."""

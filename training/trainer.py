@@ -44,13 +44,14 @@ def batch_order(n_examples: int, batch_size: int, epoch: int, seed: int) -> list
 
 def heads_forward(heads, lm_head, embed, hidden, input_ids, loss_mask, cfg: TrainConfig, vocab_index=None):
     """-> (per-head logits [N, V_out], labels [N] and teacher logits or None) at the N positions where any
-    head has a label; see `heads_loss` for the label codes."""
+    head has a label; see `heads_loss` for the label codes. `heads` may be the prepared (DDP/DeepSpeed) module:
+    its own forward is called, the one a DDP wrapper syncs gradients for. `embed` is given for Hydra heads only."""
     labels, teacher_pos = head_targets(input_ids, loss_mask, cfg.num_heads)
     where = (labels != -100).any(dim=0)  # [B, T]
     dtype = next(heads.parameters()).dtype
     states = hidden[where].to(dtype)  # [N, H]
-    embeds = follow_embeddings(embed, input_ids, cfg.num_heads)[where].to(dtype) if heads.is_hydra else None
-    logits = [heads.project(j, heads.head_state(j, states, embeds), lm_head) for j in range(cfg.num_heads)]
+    embeds = follow_embeddings(embed, input_ids, cfg.num_heads)[where].to(dtype) if embed is not None else None
+    logits = list(heads(states, lm_head, embeds))  # K x [N, V_out]
     targets = [draft_labels(labels[j][where], vocab_index) for j in range(cfg.num_heads)]
     teachers = None
     if cfg.loss == "kl":
@@ -67,6 +68,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_trackers(report_to: str | None) -> list[str] | None:
+    """`report_to` (comma-separated) -> accelerate's `log_with`; accelerate drops a tracker that is not installed
+    without a word, so that is an error here."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    if report_to is None:
+        return None
+    names = [n.strip() for n in report_to.split(",") if n.strip()]
+    unknown = [n for n in names if n not in LoggerType.list()]
+    if unknown:
+        raise MedusaError(f"Unknown tracker `{unknown[0]}` in `report_to`; known: {', '.join(LoggerType.list())}.")
+    missing = [n for n in names if n != "all" and LoggerType(n) not in get_available_trackers()]
+    if missing:
+        raise MedusaError(f"`report_to: {missing[0]}`: the {missing[0]} package is not installed "
+                          f"(pip install {missing[0]}).")
+    return names
+
+
 def latest_checkpoint(output_dir: Path) -> Path | None:
     done = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     return done[-1] if done else None
@@ -80,6 +100,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     output_dir = Path(cfg.output_dir)
     if cfg.deepspeed_config and not Path(cfg.deepspeed_config).is_file():
         raise MedusaError(f"DeepSpeed config `{cfg.deepspeed_config}` does not exist.")
+    trackers = check_trackers(cfg.report_to)
     if cfg.deepspeed_config and "RANK" not in os.environ:
         # Not started by a launcher: one process, so set up the rendezvous a launcher would have.
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -120,9 +141,16 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
 
     # Accelerate (and DeepSpeed when configured), then optimizer and schedule.
     plugin = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed_config) if cfg.deepspeed_config else None
+    # cpu=True on a machine without an accelerator: only then does accelerate join launched processes over gloo
+    # (MULTI_CPU); without it each process trains alone with world size 1.
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, deepspeed_plugin=plugin,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              log_with=cfg.report_to, project_dir=str(output_dir))
+                              cpu=plugin is None and not torch.accelerator.is_available(),
+                              log_with=trackers, project_dir=str(output_dir))
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if accelerator.num_processes != launched:
+        raise MedusaError(f"The launcher started {launched} processes but accelerate joined "
+                          f"{accelerator.num_processes}: each would train alone; see the README's training section.")
     if plugin is not None:
         # We feed batches ourselves (no DataLoader), so DeepSpeed's "auto" sizes are filled in here.
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
@@ -170,7 +198,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         ids, mask, attn = (t.to(accelerator.device) for t in pad_batch([all_examples[i] for i in indices]))
         with torch.set_grad_enabled(not warm):
             student, hidden = backbone_forward(backbone, ids, None, attention_mask=attn)
-        logits, targets, teachers = heads_forward(raw_heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
+        logits, targets, teachers = heads_forward(heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
         heads_total, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers, cfg.loss_weighting)
         if warm:
             return heads_total, per_head, mask
@@ -235,7 +263,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
                     loss, per_head, mask = medusa2_loss(indices, warm=step < cfg.heads_warmup_steps)
                 else:
                     hidden, ids, mask = batch_inputs(indices, 0)
-                    logits, targets, teachers = heads_forward(raw_heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
+                    logits, targets, teachers = heads_forward(heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
                     loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers, cfg.loss_weighting)
                 if not torch.isfinite(loss):
                     last = latest_checkpoint(output_dir)
@@ -264,6 +292,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
             history[-1]["held_out_top1"] = acc["top1"]
             logger.info("held-out top-1 per head %s, top-5 %s", " ".join(f"{a:.3f}" for a in acc["top1"]),
                         " ".join(f"{a:.3f}" for a in acc["top5"]))
+            if cfg.report_to:
+                accelerator.log({f"held_out_top1_head{j + 1}": a for j, a in enumerate(acc["top1"])}, step=step)
         if step % cfg.checkpoint_every == 0 and accelerator.is_main_process:
             save_checkpoint()
     bar.close()
