@@ -23,6 +23,7 @@ from medusa_heads.errors import MedusaError
 from medusa_heads.inference import GenerationStats, generate_ids, make_acceptance, make_drafter
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
 from medusa_heads.memory import PeakMemory
+from medusa_heads.model import MedusaModel, load_heads
 from medusa_heads.tree import load_tree
 
 
@@ -145,41 +146,65 @@ def _with_length(spec: str, method: str) -> tuple[str, dict]:
     return (head, {"draft_length": _int(tail, method)}) if sep and tail.isdigit() else (spec, {})
 
 
-def make_methods(names: list[str]) -> dict:
+def _make_method(name: str, drafts: DraftModels):
+    kind, _, spec = name.partition(":")
+    if name == "hf":
+        return hf_method()
+    elif name.startswith("hf-sample@"):
+        return hf_sample_method(_temperature(name.split("@", 1)[1], name))
+    elif name.startswith("hf-lookup"):
+        return hf_method(int(name.split(":")[1]) if ":" in name else 10)
+    elif name.startswith(("medusa:", "medusa+ngram:")):
+        tree, sampling = _with_sampling(name.split(":", 1)[1], name)
+        load_tree(tree)  # fail now on a bad tree, not after the warm-up
+        return medusa_method(tree, ngram=name.startswith("medusa+ngram"), sampling=sampling)
+    elif kind == "ngram":
+        return drafter_method("ngram", **({"draft_length": _int(spec, name)} if spec else {}))
+    elif kind in ("draft-model", "hf-assisted") and not spec:
+        raise MedusaError(f"Method `{name}` needs a draft model: `{kind}:PATH`.")
+    elif kind == "draft-model":
+        path, length = _with_length(spec, name)
+        return drafter_method("draft-model", draft_model=path, drafts=drafts, **length)
+    elif kind == "hf-assisted":
+        return hf_method(assistant=spec, drafts=drafts)
+    elif kind == "dynamic":
+        return drafter_method("dynamic", budget=_int(spec, name) if spec else None)
+    elif kind == "adaptive":
+        return drafter_method("adaptive", budget=_int(spec, name) if spec else None)
+    elif kind == "early-exit":
+        layers, length = _with_length(spec, name)
+        return drafter_method("early-exit", exit_layer=_int(layers, name), **length)
+    else:
+        raise MedusaError(f"Unknown method `{name}`; use hf, hf-sample@T, hf-lookup[:N], hf-assisted:PATH, "
+                          "medusa:TREE[:exact@T|:typical@T], medusa+ngram:TREE[:...], ngram[:N], "
+                          "draft-model:PATH[:N], early-exit:LAYERS[:N], dynamic[:N] or adaptive[:N].")
+
+
+def with_heads(method, heads_path: str):
+    """The same method decoding with other heads on the same backbone (loaded once), for heads side by side."""
+    models = {}
+
+    def run(model, input_ids, max_new_tokens):
+        if id(model) not in models:
+            heads = load_heads(heads_path, dtype=model.backbone.dtype).to(model.device)
+            if heads.config.base_model_adapter:
+                raise MedusaError(f"`{heads_path}` comes with a LoRA adapter; bench it as the main `--heads`.")
+            models[id(model)] = MedusaModel(model.backbone, heads)
+        return method(models[id(model)], input_ids, max_new_tokens)
+    return run
+
+
+def make_methods(names: list[str], heads: dict[str, str] | None = None) -> dict:
+    """Methods by name; `NAME#LABEL` decodes with the heads `heads[LABEL]` instead of the model's own."""
+    heads = heads or {}
     methods = {}
     drafts = DraftModels()
     for name in names:
-        kind, _, spec = name.partition(":")
-        if name == "hf":
-            methods[name] = hf_method()
-        elif name.startswith("hf-sample@"):
-            methods[name] = hf_sample_method(_temperature(name.split("@", 1)[1], name))
-        elif name.startswith("hf-lookup"):
-            methods[name] = hf_method(int(name.split(":")[1]) if ":" in name else 10)
-        elif name.startswith(("medusa:", "medusa+ngram:")):
-            tree, sampling = _with_sampling(name.split(":", 1)[1], name)
-            load_tree(tree)  # fail now on a bad tree, not after the warm-up
-            methods[name] = medusa_method(tree, ngram=name.startswith("medusa+ngram"), sampling=sampling)
-        elif kind == "ngram":
-            methods[name] = drafter_method("ngram", **({"draft_length": _int(spec, name)} if spec else {}))
-        elif kind in ("draft-model", "hf-assisted") and not spec:
-            raise MedusaError(f"Method `{name}` needs a draft model: `{kind}:PATH`.")
-        elif kind == "draft-model":
-            path, length = _with_length(spec, name)
-            methods[name] = drafter_method("draft-model", draft_model=path, drafts=drafts, **length)
-        elif kind == "hf-assisted":
-            methods[name] = hf_method(assistant=spec, drafts=drafts)
-        elif kind == "dynamic":
-            methods[name] = drafter_method("dynamic", budget=_int(spec, name) if spec else None)
-        elif kind == "adaptive":
-            methods[name] = drafter_method("adaptive", budget=_int(spec, name) if spec else None)
-        elif kind == "early-exit":
-            layers, length = _with_length(spec, name)
-            methods[name] = drafter_method("early-exit", exit_layer=_int(layers, name), **length)
-        else:
-            raise MedusaError(f"Unknown method `{name}`; use hf, hf-sample@T, hf-lookup[:N], hf-assisted:PATH, "
-                              "medusa:TREE[:exact@T|:typical@T], medusa+ngram:TREE[:...], ngram[:N], "
-                              "draft-model:PATH[:N], early-exit:LAYERS[:N], dynamic[:N] or adaptive[:N].")
+        base, _, label = name.partition("#")
+        if label and label not in heads:
+            raise MedusaError(f"Method `{name}` names heads `{label}`, but no `--alt-heads {label}=PATH` was given.")
+        method = _make_method(base, drafts)
+        methods[name] = with_heads(method, heads[label]) if label else method
     if "hf" not in methods:
         methods = {"hf": hf_method(), **methods}  # the baseline every ratio is against
     return methods
@@ -218,10 +243,11 @@ def fingerprint(model) -> dict:
 
 
 def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_new_tokens: int = 128,
-          repeats: int = 1, fp32_backbone=None) -> dict:
+          repeats: int = 1, fp32_backbone=None, alt_heads: dict[str, str] | None = None) -> dict:
     """`fp32_backbone`: when the model runs in lower precision, the fp32 greedy outputs to compare against
-    (greedy exactness is an fp32 property; bf16 rounding alone changes greedy outputs)."""
-    methods = make_methods(method_names)
+    (greedy exactness is an fp32 property; bf16 rounding alone changes greedy outputs). `alt_heads`: label ->
+    heads folder, for methods named `METHOD#LABEL`."""
+    methods = make_methods(method_names, alt_heads)
     encoded = [encode_prompt(tokenizer, p["prompt"]).to(model.device) for p in prompts]
     fp32_outputs = None
     if fp32_backbone is not None:
@@ -441,9 +467,10 @@ def tree_families(summary: dict) -> dict[str, list[tuple[str, str]]]:
     """Medusa methods grouped by everything in their name but the tree: {"medusa": [("cpu-8", "medusa:cpu-8")]}."""
     families = defaultdict(list)
     for name in summary:
-        kind, *rest = name.split(":")
+        base, hashed, label = name.partition("#")  # other heads make another family
+        kind, *rest = base.split(":")
         if kind.startswith("medusa") and rest and summary[name].get("tree_nodes"):
-            families[":".join([kind] + rest[1:])].append((rest[0], name))
+            families[":".join([kind] + rest[1:]) + hashed + label].append((rest[0], name))
     return dict(families)
 
 

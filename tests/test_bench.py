@@ -97,6 +97,12 @@ def test_the_harness_on_a_tiny_model(tiny, tokenizer, tmp_path):
     if summary["hf"]["peak_memory_mb"] is not None:  # measurable here (Linux or CUDA)
         assert summary[f"hf-assisted:{draft}"]["peak_memory_mb"] >= draft_mb
     write_report(result, tmp_path)
+    # other heads side by side on the same backbone: hydra heads that start as the same LM head, same output
+    hydra = tmp_path / "hydra"
+    untrained_heads(model.backbone, "tiny", head_type="hydra", draft_vocab=torch.arange(5000)).save_pretrained(hydra)
+    side = bench(model, tokenizer, prompts[:1], ["medusa:cpu-8", "medusa:cpu-8#hydra"], max_new_tokens=12,
+                 alt_heads={"hydra": str(hydra)})["summary"]
+    assert side["medusa:cpu-8#hydra"]["identical_outputs"] == 1 and side["medusa:cpu-8#hydra"]["tree_nodes"] == 9
     for png in ("speedup_by_category.png", "accepted_lengths.png", "speedup_vs_tree_size.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     table = (tmp_path / "bench.md").read_text()
@@ -106,13 +112,15 @@ def test_the_harness_on_a_tiny_model(tiny, tokenizer, tmp_path):
 def test_method_names_and_their_errors():
     assert tree_families({"medusa:cpu-8": {"tree_nodes": 9}, "medusa+ngram:cpu-8": {"tree_nodes": 15},
                           "medusa:cpu-16:exact@0.7": {"tree_nodes": 16}, "ngram": {"tree_nodes": 7},
-                          "hf": {"tree_nodes": None}}) == {
+                          "medusa:cpu-8#hydra": {"tree_nodes": 9}, "hf": {"tree_nodes": None}}) == {
         "medusa": [("cpu-8", "medusa:cpu-8")], "medusa+ngram": [("cpu-8", "medusa+ngram:cpu-8")],
+        "medusa#hydra": [("cpu-8", "medusa:cpu-8#hydra")],
         "medusa:exact@0.7": [("cpu-16", "medusa:cpu-16:exact@0.7")]}
     assert list(make_methods(["ngram", "early-exit:12", "draft-model:/a/b:3", "hf-assisted:/a/b"])) == [
         "hf", "ngram", "early-exit:12", "draft-model:/a/b:3", "hf-assisted:/a/b"]
     for name, needle in [("draft-model:", "needs a draft model"), ("hf-assisted:", "needs a draft model"),
                          ("early-exit:x", "positive integer"), ("ngram:0", "positive integer"),
-                         ("early-exit:4:y", "positive integer"), ("lookahead", "Unknown method")]:
+                         ("early-exit:4:y", "positive integer"), ("lookahead", "Unknown method"),
+                         ("medusa:cpu-8#nowhere", "no `--alt-heads nowhere=PATH`")]:
         with pytest.raises(MedusaError, match=needle):
             make_methods([name])
