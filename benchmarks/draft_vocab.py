@@ -16,7 +16,7 @@ import time
 import torch
 
 from medusa_heads import MedusaModel
-from medusa_heads.backbone import load_tokenizer
+from medusa_heads.backbone import backbone_forward, load_tokenizer
 from medusa_heads.inference import MedusaDrafter
 from medusa_heads.inference.cache import new_cache
 from medusa_heads.inference.drafters import DecodeState
@@ -84,9 +84,9 @@ def main() -> None:
     with torch.no_grad():
         for _ in range(args.repeats):
             start = time.perf_counter()
-            reduced.backbone(torch.tensor([[state.root]]), past_key_values=cache, use_cache=True)
+            backbone_forward(reduced.backbone, torch.tensor([[state.root]]), cache)
             step.append(time.perf_counter() - start)
-            cache.crop(prompt.shape[1])
+            cache.crop(-1)
     ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
     report = {
         "heads": args.heads, "tree": args.tree, "tree_nodes": tree.size, "dtype": args.dtype,
