@@ -76,6 +76,8 @@ def _parser() -> argparse.ArgumentParser:
                    "medusa:TREE:exact@T, medusa:TREE:typical@T")
     b.add_argument("--model", help="backbone (default: the embedded SmolLM2-135M-Instruct)")
     b.add_argument("--heads", help="heads folder (default: the heads shipped for the model)")
+    b.add_argument("--alt-heads", action="append", default=[], metavar="LABEL=PATH",
+                   help="other heads on the same backbone, used by methods named METHOD#LABEL (repeatable)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--repeats", type=int, default=1)
     b.add_argument("--limit", type=int, help="only the first N prompts")
@@ -84,7 +86,37 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-fp32-reference", action="store_true",
                    help="in bf16/fp16, skip comparing outputs with fp32 greedy")
     _add_runtime_args(b)
+    _add_tree_commands(sub)
     return parser
+
+
+def _add_tree_commands(sub) -> None:
+    """`profile` and `tree optimize`: trees fitted to the heads and the hardware."""
+    pr = sub.add_parser("profile", help="time one decoding step per tree size on this device (cached)")
+    pr.add_argument("--model", help="backbone (default: the embedded SmolLM2-135M-Instruct)")
+    pr.add_argument("--heads", help="heads folder (default: the heads shipped for the model)")
+    pr.add_argument("--max-nodes", type=int, default=64, help="largest tree to time, the root included")
+    pr.add_argument("--contexts", default="128,512", help="context lengths to time at, comma-separated")
+    pr.add_argument("--repeats", type=int, default=10)
+    pr.add_argument("--refresh", action="store_true", help="measure again even if a cached profile covers the sizes")
+    _add_runtime_args(pr)
+
+    tree = sub.add_parser("tree", help="fit trees to the heads and the hardware")
+    tree_sub = tree.add_subparsers(dest="tree_command", required=True)
+    opt = tree_sub.add_parser("optimize", help="the tree of the best expected tokens per step time")
+    opt.add_argument("--calibration", type=Path, required=True,
+                     help="jsonl of the backbone's own answers (calibrates on it; never the benchmark prompts), "
+                          "or a JSON of calibration counts: a tree this command wrote reuses its own")
+    opt.add_argument("--rows", help="START:END, the jsonl rows to calibrate on (default: all)")
+    opt.add_argument("--top-k", type=int, default=10, help="ranks per head to calibrate")
+    opt.add_argument("--max-nodes", type=int, default=64, help="largest tree to consider, the root included")
+    opt.add_argument("--budget", type=int, help="fit a tree of exactly this many nodes (the root included) instead of choosing")
+    opt.add_argument("--profile", type=Path,
+                     help="latency profile JSON (default: this device's cached one, measured when missing)")
+    opt.add_argument("--out", type=Path, required=True, help="tree JSON to write (usable as --tree)")
+    opt.add_argument("--model", help="backbone (default: the embedded SmolLM2-135M-Instruct)")
+    opt.add_argument("--heads", help="heads folder (default: the heads shipped for the model)")
+    _add_runtime_args(opt)
 
 
 def _bench(args) -> None:
@@ -95,13 +127,17 @@ def _bench(args) -> None:
     from medusa_heads.model import MedusaModel
 
     prompts = read_bench_prompts(args.prompts, args.limit, args.per_category)
+    if any("=" not in pair for pair in args.alt_heads):
+        raise MedusaError("`--alt-heads` takes LABEL=PATH.")
+    alt_heads = dict(pair.split("=", 1) for pair in args.alt_heads)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     tokenizer = load_tokenizer(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL)
     fp32 = None
     if model.backbone.dtype != torch.float32 and not args.no_fp32_reference:
         fp32 = load_backbone(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL,
                              dtype=torch.float32, device=args.device)
-    result = bench(model, tokenizer, prompts, args.methods.split(","), args.max_new_tokens, args.repeats, fp32)
+    result = bench(model, tokenizer, prompts, args.methods.split(","), args.max_new_tokens, args.repeats, fp32,
+                   alt_heads)
     write_report(result, args.out)
     print(markdown(result))
     print(f"report: {args.out}/bench.json, bench.md, speedup_by_category.png, accepted_lengths.png, "
@@ -172,6 +208,78 @@ def _distill(args) -> None:
             device=args.device, limit=args.limit, seed=args.seed)
 
 
+def _check_tree_args(args) -> None:
+    if args.max_nodes < 2:
+        raise MedusaError(f"`--max-nodes` must be at least 2 (the root and one draft), got {args.max_nodes}.")
+    if getattr(args, "repeats", 1) < 1:
+        raise MedusaError(f"`--repeats` must be at least 1, got {args.repeats}.")
+
+
+def _profile(args) -> None:
+    from medusa_heads.inference.profile import cached_profile
+    from medusa_heads.model import MedusaModel
+
+    _check_tree_args(args)
+    try:
+        contexts = [int(c) for c in args.contexts.split(",")]
+    except ValueError:
+        raise MedusaError(f"`--contexts` must be comma-separated integers, got {args.contexts!r}.") from None
+    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
+    profile, path = cached_profile(model, args.max_nodes, refresh=args.refresh, contexts=contexts,
+                                   repeats=args.repeats)
+    cost = profile.relative_cost(profile.sizes[-1])
+    print(f"{profile.model} ({profile.heads} heads) on {profile.device}, {profile.dtype}, {profile.threads} threads")
+    print("nodes | " + " | ".join(f"ms at context {c}" for c in profile.step_ms) + " | cost vs 1 token")
+    for i, n in enumerate(profile.sizes):
+        print(f"{n} | " + " | ".join(f"{ms[i]:.1f}" for ms in profile.step_ms.values()) + f" | {cost[n - 1]:.2f}")
+    print(f"profile: {path}")
+
+
+def _tree(args) -> None:
+    from medusa_heads.backbone import EMBEDDED_MODEL, load_tokenizer
+    from medusa_heads.inference.calibrate import calibrate, load_calibration, parse_rows, read_rows, to_conversations
+    from medusa_heads.inference.profile import cached_profile, load_profile
+    from medusa_heads.model import MedusaModel
+    from medusa_heads.tree.optimize import fit_tree, write_tree
+
+    _check_tree_args(args)
+    if args.top_k < 1:
+        raise MedusaError(f"`--top-k` must be at least 1, got {args.top_k}.")
+    if args.budget is not None and not 2 <= args.budget <= args.max_nodes:
+        raise MedusaError(f"`--budget` must be in 2..--max-nodes ({args.max_nodes}), got {args.budget}.")
+    selection = parse_rows(args.rows)
+    from_data = args.calibration.suffix == ".jsonl"
+    rows = read_rows(args.calibration, selection) if from_data else None
+    calibration = None if from_data else load_calibration(args.calibration)
+    profile = load_profile(args.profile) if args.profile else None
+    if profile is not None:
+        profile.relative_cost(args.max_nodes)  # a profile too small fails before any work
+    if from_data or profile is None:
+        model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
+    if from_data:
+        name = args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL
+        tokenizer = load_tokenizer(name, gguf_file=None if args.model else model.config.base_model_gguf_file)
+        calibration = calibrate(model, to_conversations(rows, tokenizer), args.top_k, meta={
+            "data": str(args.calibration), "rows": args.rows or ":", "model": name,
+            "heads": args.heads or "shipped", "dtype": str(model.backbone.dtype).removeprefix("torch.")})
+        print(f"calibrated on {calibration.conversations} conversations: accepted given the parent, top-1 per depth "
+              + ", ".join(f"{row[0]:.3f}" for row in calibration.p))
+    if profile is None:
+        profile, path = cached_profile(model, args.max_nodes)
+        print(f"profile: {path}")
+    fitted = fit_tree(calibration.p, profile.relative_cost(args.max_nodes), args.budget)
+    write_tree(fitted, args.out, calibration.as_dict(), profile.as_dict())
+    for n in [n for n in profile.sizes if n <= len(fitted.cost)]:
+        e, c = fitted.expected[n - 1], fitted.cost[n - 1]
+        print(f"{n:3d} nodes: expected accepted length {e:.3f}, cost {c:.2f}x, predicted speed-up {e / c:.3f}x")
+    print(f"{'given' if args.budget else 'chosen'} budget: {fitted.budget} nodes (root included), expected accepted length "
+          f"{fitted.expected_accepted_length:.3f}, predicted speed-up {fitted.predicted_speedup:.3f}x over plain "
+          f"decoding; wrote {args.out}")
+    if fitted.predicted_speedup < 1:
+        print(f"note: plain decoding is predicted to be faster than {'this tree' if args.budget else 'any tree here'}",
+              file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command == "distill" else logging.WARNING,
@@ -185,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
             transformers.logging.disable_progress_bar()
         if args.threads:
             torch.set_num_threads(args.threads)
-        {"generate": _generate, "distill": _distill, "bench": _bench}[args.command](args)
+        {"generate": _generate, "distill": _distill, "bench": _bench, "profile": _profile, "tree": _tree}[args.command](args)
     except (MedusaError, StrictDataclassError) as err:
         print(f"medusa-heads: error: {first_line(err)}", file=sys.stderr)
         return 2

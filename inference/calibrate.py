@@ -1,0 +1,187 @@
+r"""
+Calibration: how often each head's guess of each rank is accepted, given that its parent was.
+
+The data are the backbone's own answers (self-distilled conversations), never the benchmark prompts. One
+backbone forward per conversation gives, at every position, the last hidden state and the greedy token
+after it. Each answer position t is then the root of a simulated step (hidden state at t - 1, root token
+x_t), and the true path is walked by teacher forcing: the head at depth d + 1 is asked, through
+`MedusaModel.head_topk` with the true tokens x_t..x_{t+d} as the path (so path-conditioned heads work too),
+for its top-k after x_{t+d}; it is counted only while every ancestor's truth was among its head's top-k.
+The heads are asked once per depth for all the walks of a conversation: on a CPU a call costs about one
+read of the vocabulary projection, whether it scores one path or hundreds.
+`p[d][r] = hits[d][r] / positions[d]` is then P(the rank-r child is accepted | its parent was).
+
+Acceptance compares with the backbone's greedy token in the dtype it runs in, so the targets are the
+backbone's own argmax, and a walk stops where the data leave that greedy path (data made in another
+dtype, or sampled).
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from tqdm import tqdm
+
+from medusa_heads.backbone import backbone_forward
+from medusa_heads.errors import MedusaError
+from medusa_heads.model import MedusaModel
+from medusa_heads.training.data import tokenize_row
+
+_BATCH = 256  # paths per head call: bounds the [N, vocabulary] scores in memory
+
+
+@dataclass
+class Calibration:
+    top_k: int
+    positions: list[int]  # [D] walks that reached depth d + 1: its parent was accepted (the root always is)
+    hits: list[list[int]]  # [D][top_k] of those, the rank-r guess was the backbone's token
+    conversations: int = 0
+    meta: dict = field(default_factory=dict)  # where the data and heads came from, the dtype
+
+    @property
+    def p(self) -> list[list[float]]:
+        """[D][top_k] P(rank-r child accepted | parent accepted); 0 where no walk reached the depth."""
+        return [[h / n if n else 0.0 for h in row] for row, n in zip(self.hits, self.positions)]
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "p": [[round(x, 6) for x in row] for row in self.p]}
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "calibration") -> "Calibration":
+        try:
+            top_k, positions, hits = int(data["top_k"]), list(data["positions"]), [list(r) for r in data["hits"]]
+        except (KeyError, TypeError, ValueError):
+            raise MedusaError(f"`{source}` holds no calibration (top_k, positions, hits).") from None
+        if not positions or len(hits) != len(positions) or any(len(r) != top_k for r in hits) or any(
+                not isinstance(x, int) or x < 0 for x in positions + [h for r in hits for h in r]) or any(
+                sum(r) > n for r, n in zip(hits, positions)):
+            raise MedusaError(f"`{source}` has inconsistent calibration counts (positions, hits per depth and rank).")
+        return cls(top_k, positions, hits, int(data.get("conversations", 0)), dict(data.get("meta", {})))
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Calibration counts from a JSON file: one written by `tree optimize`, or a fitted tree (its `calibration`)."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise MedusaError(f"Calibration file `{path}` does not exist.") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise MedusaError(f"Calibration file `{path}` is not valid JSON: {err}.") from None
+    if isinstance(data, dict) and isinstance(data.get("calibration"), dict):
+        data = data["calibration"]
+    if not isinstance(data, dict):
+        raise MedusaError(f"`{path}` holds no calibration (top_k, positions, hits).")
+    return Calibration.from_dict(data, str(path))
+
+
+def parse_rows(spec: str | None) -> slice:
+    """`START:END` (Python slice bounds, either may be empty) -> slice; None -> every row."""
+    if spec is None:
+        return slice(None)
+    try:
+        start, end = spec.split(":")
+        return slice(int(start) if start else None, int(end) if end else None)
+    except ValueError:
+        raise MedusaError(f"`--rows` must be START:END (e.g. 2592: or -200:), got {spec!r}.") from None
+
+
+def read_rows(path: Path, rows: slice = slice(None)) -> list[dict]:
+    """The selected rows of a jsonl of conversations (OpenAI `messages`). A last line without its newline is
+    skipped: the file may be one that a distill run is still appending to."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise MedusaError(f"Calibration data `{path}` does not exist.") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise MedusaError(f"Cannot read calibration data `{path}`: {err}.") from None
+    lines = text.split("\n")[:-1]  # the piece after the last newline is empty or being written
+    selected = []
+    for n, line in [(n, line) for n, line in enumerate(lines, 1) if line.strip()][rows]:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise MedusaError(f"{path}:{n} is not valid JSON.") from None
+        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
+            raise MedusaError(f"{path}:{n} has no `messages` list (OpenAI chat format).")
+        selected.append(row)
+    if not selected:
+        bounds = ":".join("" if b is None else str(b) for b in (rows.start, rows.stop))
+        raise MedusaError(f"Calibration data `{path}` has no rows in {bounds}.")
+    return selected
+
+
+def to_conversations(rows: list[dict], tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(input ids, answer mask) per row, with the exact `answer_ids` of self-distilled rows when present."""
+    conversations = []
+    for row in rows:
+        example = tokenize_row(row, tokenizer)
+        if sum(example.loss_mask) > 1:
+            conversations.append((example.input_ids, example.loss_mask))
+    if not conversations:
+        raise MedusaError("The calibration rows have no assistant answers of 2 tokens or more.")
+    return conversations
+
+
+@torch.no_grad()
+def calibrate(model: MedusaModel, conversations: Iterable[tuple[list[int], list[int]]], top_k: int = 10,
+              max_length: int | None = None, meta: dict | None = None) -> Calibration:
+    r"""
+    Count, per depth and rank, how often the heads' guess is the backbone's greedy token along the true path.
+
+    Args:
+        conversations: (input ids, mask) pairs, the mask 1 on answer tokens: roots and targets are taken there.
+        top_k: ranks asked of each head (the widest tree the result can describe).
+        max_length: conversations are cut to this many tokens (default: the model's context).
+    """
+    if top_k < 1:
+        raise MedusaError(f"`top_k` must be at least 1, got {top_k}.")
+    depth = model.config.num_heads
+    positions, hits = [0] * depth, [[0] * top_k for _ in range(depth)]
+    context = getattr(model.backbone.config.get_text_config(), "max_position_embeddings", None)
+    max_length = max_length or context
+    count = 0
+    for input_ids, mask in tqdm(conversations, desc="calibrate", unit="conversation", leave=False):
+        ids = torch.tensor(input_ids[:max_length], device=model.device)
+        answer = torch.tensor(mask[: len(ids)], dtype=torch.bool, device=model.device)
+        logits, hidden = backbone_forward(model.backbone, ids[None], None)
+        greedy = logits[0].argmax(dim=-1)  # greedy[i]: the backbone's token after ids[: i + 1]
+        hidden = hidden[0]
+        count += 1
+        # Roots: answer tokens that greedy decoding would have produced.
+        walks = torch.nonzero(answer[1:] & (greedy[:-1] == ids[1:])).flatten() + 1
+        for d in range(depth):
+            walks = walks[walks + d + 1 < len(ids)]
+            walks = walks[answer[walks + d + 1]]  # the target is an answer token
+            if not len(walks):
+                break
+            going_on = []
+            for chunk in walks.split(_BATCH):
+                counted, goes_on = _walk_step(model, ids, hidden, greedy, chunk, d, top_k)
+                positions[d] += len(chunk)
+                for r, n in enumerate(counted.tolist()):
+                    hits[d][r] += n
+                going_on.append(chunk[goes_on])
+            walks = torch.cat(going_on)
+    if not count:
+        raise MedusaError("No conversations to calibrate on.")
+    return Calibration(top_k, positions, hits, count, dict(meta or {}))
+
+
+def _walk_step(model: MedusaModel, ids: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor,
+               roots: torch.Tensor, d: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The depth-(d + 1) guesses after the true paths from `roots` [N]: (hits per rank [top_k], [N] whether
+    the walk goes on below: the guess was right and the data stay on the greedy path).
+
+    One call for all N roots: `head_topk` gets each path's own hidden state ([N, H]), which its computations
+    broadcast against the paths as they do a single one (tested for both kinds of heads).
+    """
+    paths = ids[roots[:, None] + torch.arange(d + 1, device=ids.device)]  # [N, d + 1], x_t .. x_{t+d}
+    guesses, _ = model.head_topk(hidden[roots - 1], paths, top_k)  # [N, top_k]
+    targets = greedy[roots + d]  # the backbone's token after x_{t+d}
+    match = guesses == targets[:, None]
+    found = match.any(dim=1)
+    counted = torch.bincount(match.int().argmax(dim=1)[found], minlength=top_k)
+    return counted, found & (ids[roots + d + 1] == targets)
