@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_heads.backbone import backbone_forward
-from medusa_heads.errors import MedusaError
+from medusa_heads.errors import MedusaError, read_json
 from medusa_heads.model import MedusaModel
 from medusa_heads.training.data import tokenize_row
 
@@ -63,13 +63,7 @@ class Calibration:
 
 def load_calibration(path: str | Path) -> Calibration:
     """Calibration counts from a JSON file: one written by `tree optimize`, or a fitted tree (its `calibration`)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MedusaError(f"Calibration file `{path}` does not exist.") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise MedusaError(f"Calibration file `{path}` is not valid JSON: {err}.") from None
+    data = read_json(path, "Calibration file")
     if isinstance(data, dict) and isinstance(data.get("calibration"), dict):
         data = data["calibration"]
     if not isinstance(data, dict):

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 
 from medusa_heads.backbone import backbone_forward, cache_home
-from medusa_heads.errors import MedusaError
+from medusa_heads.errors import MedusaError, read_json
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers, build_tree
 from medusa_heads.tree.optimize import grow_tree
@@ -114,13 +114,7 @@ def profile_path(model: MedusaModel, threads: int | None = None) -> Path:
 
 def load_profile(path: str | Path) -> LatencyProfile:
     """A profile from a JSON file: one `medusa-heads profile` cached, or a fitted tree (its `profile`)."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MedusaError(f"Profile file `{path}` does not exist.") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise MedusaError(f"Profile file `{path}` is not valid JSON: {err}.") from None
+    data = read_json(path, "Profile file")
     if isinstance(data, dict) and isinstance(data.get("profile"), dict):
         data = data["profile"]  # a fitted tree carries the profile it was fitted to
     if not isinstance(data, dict):

@@ -1,11 +1,10 @@
 """A tree is a list of paths of top-k ranks: `[0, 1]` is head 1's top-1 then head 2's top-2."""
 
-import json
 from importlib import resources
 from pathlib import Path
 from typing import Sequence
 
-from medusa_heads.errors import MedusaError
+from medusa_heads.errors import MedusaError, read_json
 
 Path_ = tuple[int, ...]
 
@@ -55,11 +54,6 @@ def load_tree(name_or_file: str | Path) -> tuple[Path_, ...]:
         path = _trees_folder() / f"{name_or_file}.json"
         if not path.exists():
             raise MedusaError(f"Unknown tree `{name_or_file}`: give a JSON file or one of {', '.join(tree_names())}.")
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise MedusaError(f"Tree file `{name_or_file}` does not exist.") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise MedusaError(f"Tree file `{name_or_file}` is not valid JSON: {err}.") from None
+    data = read_json(path, "Tree file", str(name_or_file))
     paths = data.get("paths") if isinstance(data, dict) else data
     return validate_tree(paths)
