@@ -16,7 +16,6 @@ backbone's own argmax, and a walk stops where the data leave that greedy path (d
 dtype, or sampled).
 """
 
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -25,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_heads.backbone import backbone_forward
-from medusa_heads.errors import MedusaError, read_json
+from medusa_heads.errors import MedusaError, read_json, read_jsonl
 from medusa_heads.model import MedusaModel
 from medusa_heads.training.data import tokenize_row
 
@@ -85,22 +84,8 @@ def parse_rows(spec: str | None) -> slice:
 def read_rows(path: Path, rows: slice = slice(None)) -> list[dict]:
     """The selected rows of a jsonl of conversations (OpenAI `messages`). A last line without its newline is
     skipped: the file may be one that a distill run is still appending to."""
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise MedusaError(f"Calibration data `{path}` does not exist.") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise MedusaError(f"Cannot read calibration data `{path}`: {err}.") from None
-    lines = text.split("\n")[:-1]  # the piece after the last newline is empty or being written
-    selected = []
-    for n, line in [(n, line) for n, line in enumerate(lines, 1) if line.strip()][rows]:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise MedusaError(f"{path}:{n} is not valid JSON.") from None
-        if not isinstance(row, dict) or not isinstance(row.get("messages"), list):
-            raise MedusaError(f"{path}:{n} has no `messages` list (OpenAI chat format).")
-        selected.append(row)
+    all_rows = read_jsonl(path, "Calibration data", "messages", list, partial_last_line=True)
+    selected = [row for _, row in all_rows][rows]
     if not selected:
         bounds = ":".join("" if b is None else str(b) for b in (rows.start, rows.stop))
         raise MedusaError(f"Calibration data `{path}` has no rows in {bounds}.")

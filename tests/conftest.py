@@ -1,8 +1,17 @@
+import json
+import random
+
 import pytest
 import torch
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import EMBEDDED_MODEL, MedusaModel, load_backbone, load_tokenizer
-from medusa_heads.model import load_heads, shipped_heads, untrained_heads
+from medusa_heads.inference.generate import encode_prompt
+from medusa_heads.model import SHIPPED_HEADS, load_heads, shipped_heads, untrained_heads
+
+from oracle import hf_greedy  # noqa: E402  (pytest puts tests/ on sys.path)
+
+MEDUSA_HEADS = SHIPPED_HEADS[EMBEDDED_MODEL].parent / "smollm2-135m-embedded-medusa"
 
 torch.set_num_threads(max(torch.get_num_threads(), 1))
 
@@ -40,10 +49,62 @@ def tokenizer():
 def model(backbone):
     """The shipped heads when there are any, else untrained ones: exactness must hold for both."""
     folder = shipped_heads(EMBEDDED_MODEL)
-    heads = load_heads(folder) if folder else untrained_heads(backbone, EMBEDDED_MODEL)
+    heads = load_heads(folder, dtype=torch.float32) if folder else untrained_heads(backbone, EMBEDDED_MODEL)
+    return MedusaModel(backbone, heads)
+
+
+@pytest.fixture(scope="session")
+def medusa_model(backbone):
+    """The shipped heads of the other type: Medusa heads, each reading only the last hidden state."""
+    heads = load_heads(MEDUSA_HEADS, dtype=torch.float32)
+    assert not heads.is_hydra
     return MedusaModel(backbone, heads)
 
 
 @pytest.fixture(scope="session")
 def untrained_model(backbone):
     return MedusaModel(backbone, untrained_heads(backbone, EMBEDDED_MODEL))
+
+
+@pytest.fixture(scope="session")
+def references(backbone, tokenizer, chat_prompts):
+    """(prompt ids, HF greedy continuation) for every chat prompt, computed once for all exactness tests."""
+    return [(ids, hf_greedy(backbone, ids)) for ids in (encode_prompt(tokenizer, p) for p in chat_prompts)]
+
+
+@pytest.fixture(scope="session")
+def random_hydra_model(backbone):
+    """Hydra heads whose guesses depend on the path (random token mixers), over a random draft vocabulary."""
+    torch.manual_seed(0)
+    heads = untrained_heads(backbone, EMBEDDED_MODEL, head_type="hydra", draft_vocab=torch.randperm(49152)[:4096])
+    for mixer in heads.mixers:
+        mixer.weight.data.normal_(std=0.02)
+    return MedusaModel(backbone, heads)
+
+
+@pytest.fixture(scope="session")
+def tiny_backbone(tmp_path_factory, tokenizer):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
+                         initializer_range=0.5)  # large logits, so that heads on 32 dims can move them
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def counting_data(tmp_path_factory):
+    """Answers that count upwards: what comes 2-5 tokens later is predictable from the hidden state."""
+    rng = random.Random(0)
+    rows = []
+    for i in range(96):
+        start = rng.randrange(1, 50)
+        answer = " ".join(str(n) for n in range(start, start + 24))
+        rows.append({"messages": [{"role": "user", "content": f"Count from {start}."},
+                                  {"role": "assistant", "content": answer}]})
+    path = tmp_path_factory.mktemp("data") / "count.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path

@@ -7,35 +7,18 @@ import math
 import pytest
 import torch
 
-from medusa_heads import MedusaError, MedusaModel
+from medusa_heads import MedusaError
 from medusa_heads.bench import make_methods, markdown, summarize
 from medusa_heads.inference import GenerationStats, MedusaDrafter, make_drafter
 from medusa_heads.inference.drafters import DecodeState
 from medusa_heads.inference.dynamic import AdaptiveDrafter, DynamicDrafter, interpolated_cost, relative_costs
 from medusa_heads.inference.generate import encode_prompt
-from medusa_heads.model import untrained_heads
 from medusa_heads.tree import build_tree, load_tree, validate_tree
 
 from test_cli import assert_clean_error, run_cli  # noqa: E402  (pytest puts tests/ on sys.path)
-from test_decoding import decode, explain_mismatch, hf_greedy  # noqa: E402
+from oracle import assert_exact, decode  # noqa: E402
 
 NEW_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def references(backbone, tokenizer, chat_prompts):
-    return [(ids, hf_greedy(backbone, ids, NEW_TOKENS))
-            for ids in (encode_prompt(tokenizer, p) for p in chat_prompts[:3])]
-
-
-def assert_exact(model, backbone, references, drafter) -> list[GenerationStats]:
-    all_stats = []
-    for ids, reference in references:
-        stats = GenerationStats()
-        ours = decode(model, ids, drafter, max_new_tokens=NEW_TOKENS, stats=stats)
-        assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
-        all_stats.append(stats)
-    return all_stats
 
 
 def assert_consistent(stats: GenerationStats) -> None:
@@ -52,7 +35,7 @@ def assert_consistent(stats: GenerationStats) -> None:
 
 
 def test_dynamic_drafter_is_exact(model, backbone, references):
-    all_stats = assert_exact(model, backbone, references, DynamicDrafter(model, budget=16))
+    all_stats = assert_exact(model, backbone, references[:3], DynamicDrafter(model, budget=16), NEW_TOKENS)
     for stats in all_stats:
         assert_consistent(stats)
     assert max(s.mean_accepted_length for s in all_stats) > 1.2
@@ -60,13 +43,14 @@ def test_dynamic_drafter_is_exact(model, backbone, references):
 
 def test_adaptive_drafter_is_exact(model, backbone, references):
     drafter = AdaptiveDrafter(model, max_budget=32)
-    for stats in assert_exact(model, backbone, references, drafter):
+    for stats in assert_exact(model, backbone, references[:3], drafter, NEW_TOKENS):
         assert_consistent(stats)
     assert len(drafter.budgets) > 0 and all(0 <= n <= 32 for n in drafter.budgets)
 
 
 def test_static_tree_stats_are_consistent(model, backbone, references):
-    for stats in assert_exact(model, backbone, references[:1], MedusaDrafter(model, build_tree(load_tree("cpu-16")))):
+    drafter = MedusaDrafter(model, build_tree(load_tree("cpu-16")))
+    for stats in assert_exact(model, backbone, references[:1], drafter, NEW_TOKENS):
         assert_consistent(stats)
         assert len(stats.rank_accepts[0]) <= 4  # cpu-16 drafts ranks 0-3 at depth 1
 
@@ -88,19 +72,11 @@ def brute_force_best(model, hidden, root, budget, top_k, depth):
     return nodes, ranked[:budget]
 
 
-@pytest.fixture(scope="module")
-def hydra_model(backbone):
-    torch.manual_seed(0)
-    heads = untrained_heads(backbone, "smollm2-135m-embedded", head_type="hydra")
-    for mixer in heads.mixers:
-        mixer.weight.data.normal_(std=0.02)  # the path changes the guesses
-    return MedusaModel(backbone, heads)
-
-
 @pytest.mark.parametrize("heads", ["medusa", "hydra"])
 @pytest.mark.parametrize("budget", [0, 1, 5, 16])
-def test_the_dynamic_tree_is_the_best_valid_tree_of_at_most_budget_nodes(model, hydra_model, heads, budget):
-    model = hydra_model if heads == "hydra" else model
+def test_the_dynamic_tree_is_the_best_valid_tree_of_at_most_budget_nodes(medusa_model, random_hydra_model, heads,
+                                                                         budget):
+    model = random_hydra_model if heads == "hydra" else medusa_model
     top_k, depth = 3, 3
     drafter = DynamicDrafter(model, budget=budget, top_k=top_k, max_depth=depth)
     torch.manual_seed(budget)
@@ -167,7 +143,7 @@ class Positioned:
 
 
 def test_the_budget_shrinks_to_the_root_on_wrong_guesses_and_grows_back_on_right_ones(model, backbone, references):
-    ids, reference = references[0]
+    ids, reference = references[0][0], references[0][1][:NEW_TOKENS]
     heads = ScriptedHeads(model, ids.shape[1], reference, "wrong")
     adaptive = AdaptiveDrafter(heads, max_budget=16, top_k=4, cost=lambda n: 1 + 0.05 * (n - 1), head_cost=0.0,
                                decay=0.8)

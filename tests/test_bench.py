@@ -56,7 +56,7 @@ def test_prompt_selection(tmp_path):
     assert [r["id"] for r in read_bench_prompts(path, per_category=1)] == ["a-0", "b-0"]
     assert len(read_bench_prompts(path, limit=4)) == 4
     path.write_text('{"category": "a"}\n')
-    with pytest.raises(MedusaError, match="not a JSON object with a `prompt`"):
+    with pytest.raises(MedusaError, match="not a JSON object with a str field `prompt`"):
         read_bench_prompts(path)
 
 
@@ -107,6 +107,7 @@ def test_the_harness_on_a_tiny_model(tiny, tokenizer, tmp_path):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
     table = (tmp_path / "bench.md").read_text()
     assert "| medusa:cpu-8 | 9 |" in table and "Peak memory: the largest over a method's runs of" in table
+    assert result["prompts"] == 2 and 0 < result["wall_seconds"] and "2 prompts in " in table
 
 
 def test_method_names_and_their_errors():

@@ -6,31 +6,14 @@ import random
 import pytest
 import torch
 
-from medusa_heads.inference import GreedyAcceptance, MedusaDrafter, TypicalAcceptance, generate_ids
+from medusa_heads.inference import GreedyAcceptance, MedusaDrafter, TypicalAcceptance
 from medusa_heads.inference.cache import new_cache
 from medusa_heads.inference.drafters import Draft
 from medusa_heads.inference.generate import GenerationStats, encode_prompt, prefill, tree_decode_step, verify
 from medusa_heads.inference.drafters import DecodeState
 from medusa_heads.tree import build_tree, load_tree
 
-NEW_TOKENS = 128
-
-
-def hf_greedy(backbone, input_ids, max_new_tokens=NEW_TOKENS):
-    out = backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                            max_new_tokens=max_new_tokens)
-    return out[0, input_ids.shape[1]:].tolist()
-
-
-def explain_mismatch(backbone, input_ids, ours, reference):
-    """Name the first divergence and the backbone's top-2 logit gap there (a near tie is a float effect)."""
-    i = next(k for k, (a, b) in enumerate(zip(ours + [-1], reference + [-2])) if a != b)
-    context = torch.cat([input_ids[0], torch.tensor(reference[:i], dtype=torch.long)])[None]
-    with torch.no_grad():
-        logits = backbone(context).logits[0, -1]
-    top = logits.topk(2)
-    return (f"first difference at new token {i}: ours {ours[i:i + 1]}, HF {reference[i:i + 1]}; "
-            f"top-2 logit gap there {float(top.values[0] - top.values[1]):.2e} (tokens {top.indices.tolist()})")
+from oracle import REFERENCE_TOKENS, assert_exact, decode, explain_mismatch, hf_greedy  # noqa: E402
 
 
 class OracleDrafter:
@@ -52,27 +35,14 @@ class OracleDrafter:
         return Draft(self.tree, tokens)
 
 
-def decode(model, input_ids, drafter, acceptance=None, max_new_tokens=NEW_TOKENS, stats=None):
-    eos = [model.backbone.generation_config.eos_token_id]
-    return [t for chunk in generate_ids(model, input_ids, drafter, acceptance, max_new_tokens, eos, stats=stats)
-            for t in chunk]
+def test_greedy_tree_decoding_equals_hf_generate(model, backbone, references):
+    assert_exact(model, backbone, references[:6], MedusaDrafter(model, build_tree(load_tree("cpu-8"))))
 
 
-@pytest.fixture(scope="module")
-def references(backbone, tokenizer, chat_prompts):
-    rows = []
-    for prompt in chat_prompts:
-        ids = encode_prompt(tokenizer, prompt)
-        rows.append((ids, hf_greedy(backbone, ids)))
-    return rows
-
-
-@pytest.mark.parametrize("tree_name", ["cpu-8", "chain-4"])
-def test_greedy_tree_decoding_equals_hf_generate(model, backbone, references, tree_name):
-    drafter = MedusaDrafter(model, build_tree(load_tree(tree_name)))
-    for ids, reference in references:
-        ours = decode(model, ids, drafter)
-        assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
+def test_greedy_with_the_shipped_medusa_heads_equals_hf_generate(medusa_model, backbone, references):
+    """The default heads are Hydra heads; the shipped Medusa-type heads, on a chain and a tree."""
+    for tree in ("chain-4", "cpu-16"):
+        assert_exact(medusa_model, backbone, references[:3], MedusaDrafter(medusa_model, build_tree(load_tree(tree))))
 
 
 def test_greedy_with_the_63_node_tree(model, backbone, references):
@@ -160,7 +130,7 @@ def test_max_new_tokens_and_eos_are_never_overshot(model, tokenizer, references)
     short = next(((ids, ref) for ids, ref in references if eos in ref), None)
     if short is not None:
         ids, reference = short
-        ours = decode(model, ids, OracleDrafter(tree, ids.shape[1], reference), max_new_tokens=NEW_TOKENS)
+        ours = decode(model, ids, OracleDrafter(tree, ids.shape[1], reference), max_new_tokens=REFERENCE_TOKENS)
         assert ours == reference and ours[-1] == eos
 
 
@@ -179,46 +149,27 @@ def test_medusa_plus_ngram_drafter_stays_exact(model, backbone, references, tree
     from medusa_heads.inference import MedusaNgramDrafter
 
     drafter = MedusaNgramDrafter(model, load_tree(tree_name), ngram_length=6)
-    stats_all = []
-    for ids, reference in references[:5]:
-        stats = GenerationStats()
-        ours = decode(model, ids, drafter, stats=stats)
-        assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
-        stats_all.append(stats.mean_accepted_length)
-    assert max(stats_all) > 1.2  # repetitive greedy text: the n-gram branch is accepted somewhere
+    stats_all = assert_exact(model, backbone, references[:3], drafter)
+    assert max(s.mean_accepted_length for s in stats_all) > 1.2  # repetitive greedy text: the n-gram branch is accepted somewhere
 
 
-@pytest.fixture(scope="module")
-def hydra_model(backbone):
-    from medusa_heads import MedusaModel
-    from medusa_heads.model import untrained_heads
-
-    torch.manual_seed(0)
-    heads = untrained_heads(backbone, "smollm2-135m-embedded", head_type="hydra", draft_vocab=torch.randperm(49152)[:4096])
-    for mixer in heads.mixers:
-        mixer.weight.data.normal_(std=0.02)  # the path changes the guesses
-    return MedusaModel(backbone, heads)
-
-
-def test_hydra_tree_is_filled_path_by_path(hydra_model, tokenizer):
+def test_hydra_tree_is_filled_path_by_path(random_hydra_model, tokenizer):
     tree = build_tree(load_tree("cpu-16"))
-    drafter = MedusaDrafter(hydra_model, tree)
+    drafter = MedusaDrafter(random_hydra_model, tree)
     ids = encode_prompt(tokenizer, "Name a colour.")
-    cache = new_cache(hydra_model.backbone)
-    _, hidden = prefill(hydra_model, ids, cache)
+    cache = new_cache(random_hydra_model.backbone)
+    _, hidden = prefill(random_hydra_model, ids, cache)
     tokens = drafter.fill(DecodeState(ids[0].tolist() + [42], 42, hidden), tree)
     for node, path in enumerate(tree.paths, start=1):  # each node: its parent's guess of its rank, given the path
         ancestors = [tree.paths.index(path[:d]) + 1 for d in range(1, len(path))]
         path_tokens = torch.tensor([[42] + tokens[ancestors].tolist()])
-        guesses, _ = hydra_model.head_topk(hidden, path_tokens, path[-1] + 1)
+        guesses, _ = random_hydra_model.head_topk(hidden, path_tokens, path[-1] + 1)
         assert int(tokens[node]) == int(guesses[0, path[-1]])
 
 
-def test_greedy_with_hydra_heads_equals_hf_generate(hydra_model, backbone, references):
+def test_greedy_with_hydra_heads_equals_hf_generate(random_hydra_model, backbone, references):
     from medusa_heads.inference import make_drafter
 
-    for drafter in (MedusaDrafter(hydra_model, build_tree(load_tree("cpu-16"))),
-                    make_drafter(hydra_model, "cpu-8", ngram=True)):
-        for ids, reference in references[:3]:
-            ours = decode(hydra_model, ids, drafter)
-            assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
+    for drafter in (MedusaDrafter(random_hydra_model, build_tree(load_tree("cpu-16"))),
+                    make_drafter(random_hydra_model, "cpu-8", ngram=True)):
+        assert_exact(random_hydra_model, backbone, references[:2], drafter)

@@ -7,50 +7,30 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import MedusaError, MedusaModel
-from medusa_heads.inference import DraftModelDrafter, EarlyExitDrafter, GenerationStats, NgramDrafter, make_drafter
+from medusa_heads.inference import DraftModelDrafter, EarlyExitDrafter, NgramDrafter, make_drafter
 from medusa_heads.inference.draft_model import early_exit_model
-from medusa_heads.inference.generate import encode_prompt
 from medusa_heads.model import untrained_heads
 
 from test_architectures import ARCHITECTURES  # noqa: E402  (pytest puts tests/ on sys.path)
 from test_cli import assert_clean_error, run_cli  # noqa: E402
-from test_decoding import decode, explain_mismatch, hf_greedy  # noqa: E402
+from oracle import assert_exact, decode  # noqa: E402
 
 NEW_TOKENS = 48
 
 
-@pytest.fixture(scope="module")
-def references(backbone, tokenizer, chat_prompts):
-    rows = []
-    for prompt in chat_prompts[:3]:
-        ids = encode_prompt(tokenizer, prompt)
-        rows.append((ids, hf_greedy(backbone, ids, NEW_TOKENS)))
-    return rows
-
-
-def assert_exact(model, backbone, references, drafter) -> list[GenerationStats]:
-    all_stats = []
-    for ids, reference in references:
-        stats = GenerationStats()
-        ours = decode(model, ids, drafter, max_new_tokens=NEW_TOKENS, stats=stats)
-        assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
-        all_stats.append(stats)
-    return all_stats
-
-
 def test_ngram_drafter_is_exact(model, backbone, references):
-    stats = assert_exact(model, backbone, references, NgramDrafter(6))
+    stats = assert_exact(model, backbone, references[:3], NgramDrafter(6), NEW_TOKENS)
     assert max(s.mean_accepted_length for s in stats) > 1.0
 
 
 def test_early_exit_drafter_is_exact(model, backbone, references):
-    assert_exact(model, backbone, references, EarlyExitDrafter(model, exit_layer=10, length=3))
+    assert_exact(model, backbone, references[:3], EarlyExitDrafter(model, exit_layer=10, length=3), NEW_TOKENS)
 
 
 def test_the_backbone_as_its_own_draft_model_is_always_accepted(model, backbone, references):
     """A strong check of the cache syncing: a draft model equal to the backbone must never be rejected."""
     length = 4
-    for stats in assert_exact(model, backbone, references, DraftModelDrafter(model, backbone, length)):
+    for stats in assert_exact(model, backbone, references[:3], DraftModelDrafter(model, backbone, length), NEW_TOKENS):
         assert all(n == length + 1 for n in stats.accepted_lengths[:-1]), stats.accepted_lengths
         assert stats.head_acceptance == [1.0] * (length - 1) + [stats.head_acceptance[-1]]
 
@@ -59,7 +39,7 @@ def test_a_random_draft_model_with_the_same_vocabulary_stays_exact(model, backbo
     torch.manual_seed(0)
     tiny = LlamaForCausalLM(LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1)).eval()
-    assert_exact(model, backbone, references[:2], DraftModelDrafter(model, tiny, length=3))
+    assert_exact(model, backbone, references[:2], DraftModelDrafter(model, tiny, length=3), NEW_TOKENS)
 
 
 def test_early_exit_shares_the_backbones_weights(backbone):

@@ -10,7 +10,7 @@ import torch
 
 from medusa_heads import MedusaError, load_heads
 from medusa_heads.training.trainer import train
-from test_training import counting_data, recipe, tiny_backbone  # noqa: F401 (fixtures)
+from test_training import recipe  # noqa: E402
 
 
 def test_two_cpu_processes_join_one_world(tiny_backbone, counting_data, tmp_path):

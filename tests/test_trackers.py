@@ -6,7 +6,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from medusa_heads import MedusaError
 from medusa_heads.training import trainer
 from medusa_heads.training.trainer import train
-from test_training import counting_data, recipe, tiny_backbone  # noqa: F401 (fixtures)
+from test_training import recipe  # noqa: E402
 
 
 def test_tensorboard_receives_the_losses_and_held_out_accuracy(tiny_backbone, counting_data, tmp_path):

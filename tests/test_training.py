@@ -9,39 +9,10 @@ import time
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import MedusaError, load_heads
 from medusa_heads.training.recipe import load_recipe
 from medusa_heads.training.trainer import get_lr, train
-
-
-@pytest.fixture(scope="module")
-def tiny_backbone(tmp_path_factory, tokenizer):
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                         tie_word_embeddings=True, eos_token_id=2, bos_token_id=1,
-                         initializer_range=0.5)  # large logits, so that heads on 32 dims can move them
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def counting_data(tmp_path_factory):
-    """Answers that count upwards: what comes 2-5 tokens later is predictable from the hidden state."""
-    rng = random.Random(0)
-    rows = []
-    for i in range(96):
-        start = rng.randrange(1, 50)
-        answer = " ".join(str(n) for n in range(start, start + 24))
-        rows.append({"messages": [{"role": "user", "content": f"Count from {start}."},
-                                  {"role": "assistant", "content": answer}]})
-    path = tmp_path_factory.mktemp("data") / "count.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def recipe(tiny_backbone, data, out, **kw):

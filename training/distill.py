@@ -15,25 +15,14 @@ import torch
 from tqdm import tqdm
 
 from medusa_heads.backbone import EMBEDDED_MODEL, load_backbone, load_tokenizer
-from medusa_heads.errors import MedusaError
+from medusa_heads.errors import MedusaError, read_jsonl
 
 logger = logging.getLogger(__name__)
 
 
 def read_prompts(path: Path) -> list[dict]:
-    if not path.is_file():
-        raise MedusaError(f"Prompt file `{path}` does not exist.")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            raise MedusaError(f"{path}:{n} is not valid JSON.") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise MedusaError(f"{path}:{n} has no string field `prompt`.")
-        rows.append({"id": str(row.get("id", n)), "prompt": row["prompt"]})
+    rows = [{"id": str(row.get("id", n)), "prompt": row["prompt"]}
+            for n, row in read_jsonl(path, "Prompt file", "prompt", str)]
     if not rows:
         raise MedusaError(f"Prompt file `{path}` holds no prompts.")
     return rows

@@ -19,6 +19,7 @@ class TrainConfig:
     data: str = "training/data/distilled.jsonl"  # jsonl/json/parquet file or folder, or a hub dataset name
     max_length: int = 512  # tokens per conversation; longer ones are truncated (and counted in the log)
     held_out_fraction: float = 0.02  # conversations kept aside for per-head accuracy
+    eval_data: str | None = None  # held-out conversations from this file instead (all of `data` then trains)
     # heads
     num_heads: int = 4
     num_layers: int = 1

@@ -111,11 +111,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     backbone = load_backbone(cfg.model, dtype=cfg.backbone_dtype)
     tokenizer = load_tokenizer(cfg.model)
     examples = load_examples(cfg.data, tokenizer, cfg.max_length)
-    n_held = int(len(examples) * cfg.held_out_fraction)
-    split = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
-    held_out = [examples[i] for i in split[:n_held]]
-    train_set = [examples[i] for i in split[n_held:]]
-    all_examples = train_set + held_out  # held-out rows sit after the training rows
+    if cfg.eval_data:
+        train_set, held_out = examples, load_examples(cfg.eval_data, tokenizer, cfg.max_length)
+    else:
+        n_held = int(len(examples) * cfg.held_out_fraction)
+        split = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
+        held_out = [examples[i] for i in split[:n_held]]
+        train_set = [examples[i] for i in split[n_held:]]
     if len(train_set) < cfg.batch_size:
         raise MedusaError(f"Only {len(train_set)} training conversations for `batch_size` {cfg.batch_size}.")
     draft_vocab, vocab_index = None, None
@@ -177,25 +179,26 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     if cfg.report_to:
         accelerator.init_trackers("medusa-heads", config=asdict(cfg))
 
-    # Hidden states: computed once for all conversations when the backbone is frozen.
-    cache = None
+    # Hidden states: computed once per set (training, held-out) when the backbone is frozen.
+    train_cache = held_cache = None
     if cfg.cache_hidden_states:
         start = time.perf_counter()
-        cache = HiddenStateCache.build(backbone, cfg.model, all_examples, batch_size=cfg.batch_size,
-                                       folder=Path(cfg.hidden_cache_dir) if cfg.hidden_cache_dir else None)
+        folder = Path(cfg.hidden_cache_dir) if cfg.hidden_cache_dir else None
+        train_cache = HiddenStateCache.build(backbone, cfg.model, train_set, cfg.batch_size, folder)
+        if held_out:
+            held_cache = HiddenStateCache.build(backbone, cfg.model, held_out, cfg.batch_size, folder)
         logger.info("hidden states ready in %.1f s", time.perf_counter() - start)
 
-    def batch_inputs(indices: list[int], offset: int):
-        rows = [all_examples[i + offset] for i in indices]
-        ids, mask, attn = pad_batch(rows)
-        hidden = cache.batch([i + offset for i in indices]) if cache else compute_hidden(backbone, ids, attn)
+    def batch_inputs(examples: list, indices: list[int], cache: HiddenStateCache | None):
+        ids, mask, attn = pad_batch([examples[i] for i in indices])
+        hidden = cache.batch(indices) if cache else compute_hidden(backbone, ids, attn)
         dev = accelerator.device
         return hidden.to(dev), ids.to(dev), mask.to(dev)
 
     def medusa2_loss(indices: list[int], warm: bool):
         """Heads loss on the adapted backbone's hidden states, plus its KL to itself without adapters;
         during the warm-up (`warm`) the heads alone train."""
-        ids, mask, attn = (t.to(accelerator.device) for t in pad_batch([all_examples[i] for i in indices]))
+        ids, mask, attn = (t.to(accelerator.device) for t in pad_batch([train_set[i] for i in indices]))
         with torch.set_grad_enabled(not warm):
             student, hidden = backbone_forward(backbone, ids, None, attention_mask=attn)
         logits, targets, teachers = heads_forward(heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
@@ -213,7 +216,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         counts = torch.zeros(cfg.num_heads, dtype=torch.long)
         for b in range(0, len(held_out), cfg.batch_size):
             idx = list(range(b, min(b + cfg.batch_size, len(held_out))))
-            hidden, ids, mask = batch_inputs(idx, len(train_set))
+            hidden, ids, mask = batch_inputs(held_out, idx, held_cache)
             with accelerator.autocast():
                 logits, targets, _ = heads_forward(raw_heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
             h, c = rank_hits(logits, targets, cfg.top_k)
@@ -262,7 +265,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
                 if cfg.medusa2:
                     loss, per_head, mask = medusa2_loss(indices, warm=step < cfg.heads_warmup_steps)
                 else:
-                    hidden, ids, mask = batch_inputs(indices, 0)
+                    hidden, ids, mask = batch_inputs(train_set, indices, train_cache)
                     logits, targets, teachers = heads_forward(heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
                     loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers, cfg.loss_weighting)
                 if not torch.isfinite(loss):
