@@ -205,3 +205,19 @@ def test_acceptance_weighting_trains(tiny_backbone, counting_data, tmp_path):
                           head_type="hydra", share_lm_head=False))
     losses = [h["loss"] for h in result["history"]]
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
+
+
+def test_eval_data_is_the_held_out_set(tiny_backbone, counting_data, tmp_path):
+    """With `eval_data`, every conversation of `data` trains and accuracy is measured on the other file only:
+    two runs on different training data count the same held-out positions; each set has its own cache."""
+    rows = counting_data.read_text().splitlines()
+    (tmp_path / "eval.jsonl").write_text("\n".join(rows[:8]) + "\n")
+    (tmp_path / "train.jsonl").write_text("\n".join(rows[8:]) + "\n")
+    positions = []
+    for name, data in (("all", counting_data), ("rest", tmp_path / "train.jsonl")):
+        out = tmp_path / name
+        result = train(recipe(tiny_backbone, data, out, eval_data=str(tmp_path / "eval.jsonl"), max_steps=2,
+                              eval_every=2, held_out_fraction=0.5, hidden_cache_dir=str(out / "hidden")))
+        positions.append(result["accuracies"]["positions"])
+        assert len(list((out / "hidden").glob("*.safetensors"))) == 2  # the training set's and the held-out set's
+    assert positions[0] == positions[1] and min(positions[0]) > 8 * 10
