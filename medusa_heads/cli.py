@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     d.set_defaults(dtype="bfloat16")
     b = sub.add_parser("bench", help="speed and acceptance of several methods side by side")
     b.add_argument("--prompts", type=Path, required=True, help="jsonl with `prompt` (and `category`) per line")
-    b.add_argument("--methods", default="hf,hf-lookup,medusa:cpu-8",
+    b.add_argument("--methods", default="hf,hf-lookup,medusa:cpu-16,medusa+ngram:cpu-16",
                    help="comma-separated: hf, hf-lookup[:N], hf-assisted:PATH, medusa:TREE, medusa+ngram:TREE, "
                    "ngram[:N], draft-model:PATH[:N], early-exit:LAYERS[:N] (N: drafted tokens per step), dynamic[:N], "
                    "adaptive[:N] (N: the node budget, the most for adaptive); sampling: hf-sample@T, "
