@@ -42,7 +42,7 @@ def test_greedy_tree_decoding_equals_hf_generate(model, backbone, references):
 def test_greedy_with_the_shipped_medusa_heads_equals_hf_generate(medusa_model, backbone, references):
     """The default heads are Hydra heads; the shipped Medusa-type heads, on a chain and a tree."""
     for tree in ("chain-4", "cpu-16"):
-        assert_exact(medusa_model, backbone, references[:3], MedusaDrafter(medusa_model, build_tree(load_tree(tree))))
+        assert_exact(medusa_model, backbone, references[:2], MedusaDrafter(medusa_model, build_tree(load_tree(tree))))
 
 
 def test_greedy_with_the_63_node_tree(model, backbone, references):
@@ -56,7 +56,7 @@ def test_greedy_with_the_63_node_tree(model, backbone, references):
 def test_long_accepted_paths_on_any_branch_stay_exact(model, backbone, references, tree_name):
     """An oracle drafter makes long paths accepted on random branches: exercises the non-contiguous cache gather."""
     tree = build_tree(load_tree(tree_name))
-    for ids, reference in references[:3]:
+    for ids, reference in references[:2]:
         stats = GenerationStats()
         ours = decode(model, ids, OracleDrafter(tree, ids.shape[1], reference), stats=stats)
         assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
@@ -172,4 +172,4 @@ def test_greedy_with_hydra_heads_equals_hf_generate(random_hydra_model, backbone
 
     for drafter in (MedusaDrafter(random_hydra_model, build_tree(load_tree("cpu-16"))),
                     make_drafter(random_hydra_model, "cpu-8", ngram=True)):
-        assert_exact(random_hydra_model, backbone, references[:2], drafter)
+        assert_exact(random_hydra_model, backbone, references[:1], drafter)
