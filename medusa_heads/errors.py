@@ -19,9 +19,9 @@ def read_json(path: str | Path, what: str, shown: str | None = None):
 
 def read_jsonl(path: str | Path, what: str, field: str, kind: type,
                partial_last_line: bool = False) -> list[tuple[int, dict]]:
-    """(line number, row) for the rows of a user's jsonl file, each an object whose `field` is a `kind`; blank lines are skipped and
-    every problem is a one-line MedusaError naming the file (and line). `partial_last_line`: a last line
-    without its newline is skipped (a file that a distill run is still appending to)."""
+    """(line number, row) for the rows of a user's jsonl file, each an object whose `field` is a `kind`; blank
+    lines are skipped and every problem is a one-line MedusaError naming the file (and line).
+    `partial_last_line`: a last line without its newline is skipped (a file a distill run is still appending to)."""
     try:
         text = Path(path).read_text()
     except FileNotFoundError:

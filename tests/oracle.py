@@ -37,6 +37,7 @@ def assert_exact(model, backbone, references, drafter, new_tokens: int = REFEREN
     for ids, reference in references:
         stats = GenerationStats()
         ours = decode(model, ids, drafter, max_new_tokens=new_tokens, stats=stats)
-        assert ours == reference[:new_tokens], explain_mismatch(backbone, ids, ours, reference)
+        expected = reference[:new_tokens]
+        assert ours == expected, explain_mismatch(backbone, ids, ours, expected)
         all_stats.append(stats)
     return all_stats

@@ -150,7 +150,8 @@ def test_medusa_plus_ngram_drafter_stays_exact(model, backbone, references, tree
 
     drafter = MedusaNgramDrafter(model, load_tree(tree_name), ngram_length=6)
     stats_all = assert_exact(model, backbone, references[:3], drafter)
-    assert max(s.mean_accepted_length for s in stats_all) > 1.2  # repetitive greedy text: the n-gram branch is accepted somewhere
+    # repetitive greedy text: the n-gram branch is accepted somewhere
+    assert max(s.mean_accepted_length for s in stats_all) > 1.2
 
 
 def test_hydra_tree_is_filled_path_by_path(random_hydra_model, tokenizer):
