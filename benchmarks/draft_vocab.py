@@ -73,7 +73,7 @@ def main() -> None:
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 20, return_tensors="pt")["input_ids"]
     cache = new_cache(reduced.backbone)
     logits, hidden = prefill(reduced, prompt, cache)
-    state = DecodeState(prompt[0].tolist() + [int(logits.argmax())], int(logits.argmax()), hidden)
+    state = DecodeState(prompt[0].tolist() + [int(logits.argmax())], int(logits.argmax()), hidden[-1])
     drafters = {"full": MedusaDrafter(full, tree), "draft": MedusaDrafter(reduced, tree)}
     times = {name: [] for name in drafters}
     for _ in range(3):  # interleaved rounds after a warm-up

@@ -3,6 +3,7 @@
 from .acceptance import Accepted, ExactAcceptance, GreedyAcceptance, TypicalAcceptance, make_acceptance
 from .draft_model import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
 from .drafters import Draft, MedusaDrafter, MedusaNgramDrafter, make_drafter, ngram_lookup
+from .eagle import EagleDrafter
 from .generate import Generation, GenerationStats, generate, generate_ids, stream
 from .sampling import Warper
 
@@ -10,6 +11,7 @@ __all__ = [
     "Accepted",
     "Draft",
     "DraftModelDrafter",
+    "EagleDrafter",
     "EarlyExitDrafter",
     "ExactAcceptance",
     "Generation",

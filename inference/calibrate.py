@@ -61,7 +61,9 @@ class Calibration:
 
 
 def load_calibration(path: str | Path) -> Calibration:
-    """Calibration counts from a JSON file: one written by `tree optimize`, or a fitted tree (its `calibration`)."""
+    """Calibration counts from a JSON file: one written by `tree optimize`, a fitted tree (its `calibration`), or
+    the trainer's `head_accuracies.json` (teacher-forced on its held-out set: the way to fit trees to drafters
+    that `calibrate` cannot walk, such as EAGLE's)."""
     data = read_json(path, "Calibration file")
     if isinstance(data, dict) and isinstance(data.get("calibration"), dict):
         data = data["calibration"]
@@ -117,6 +119,7 @@ def calibrate(model: MedusaModel, conversations: Iterable[tuple[list[int], list[
     """
     if top_k < 1:
         raise MedusaError(f"`top_k` must be at least 1, got {top_k}.")
+    model.require_heads("Calibrating a tree")
     depth = model.config.num_heads
     positions, hits = [0] * depth, [[0] * top_k for _ in range(depth)]
     context = getattr(model.backbone.config.get_text_config(), "max_position_embeddings", None)

@@ -18,6 +18,9 @@ class DecodeState:
     token_ids: list[int]  # prompt + committed tokens, `root` last
     root: int  # the newest committed token, not yet in the KV cache
     hidden: torch.Tensor  # [H] last hidden state at the position that predicted `root`
+    # [n, H] the hidden states of the positions committed since the last step (all prompt positions after the
+    # prefill), `hidden` last: for drafters that keep their own view of the context
+    fresh_hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -38,6 +41,7 @@ class MedusaDrafter:
     """Heads run once, on the last accepted hidden state; head d's top-k fill the tree's depth-d nodes."""
 
     def __init__(self, model: MedusaModel, tree: TreeBuffers):
+        model.require_heads("MedusaDrafter")
         if tree.max_depth > model.config.num_heads:
             raise MedusaError(
                 f"The tree is {tree.max_depth} deep but the heads are only {model.config.num_heads}: "
@@ -62,7 +66,7 @@ class MedusaDrafter:
         """Path-conditioned heads: depth by depth, one batched head call over the parents of the next depth."""
         tokens = torch.zeros(tree.size, dtype=torch.long, device=tree.depth.device)
         tokens[0] = state.root
-        for step in _depth_plan(tree.paths, self.tree.top_k, str(tree.depth.device)):
+        for step in depth_plan(tree.paths, self.tree.top_k, str(tree.depth.device)):
             top, _ = self.model.head_topk(state.hidden, tokens[step.ancestors], step.k)
             tokens[step.children] = top[step.child_row, step.child_rank]
         return tokens
@@ -83,7 +87,7 @@ class DepthStep:
 
 
 @lru_cache(maxsize=64)
-def _depth_plan(paths: tuple, top_k: int, device: str) -> list[DepthStep]:
+def depth_plan(paths: tuple, top_k: int, device: str) -> list[DepthStep]:
     """Per depth, which nodes the heads fill (every rank on their path below `top_k`) and from which parents."""
     index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
     ours = [p for p in paths if max(p) < top_k]
@@ -134,7 +138,7 @@ class MedusaNgramDrafter:
         from medusa_heads.tree import build_tree, validate_tree
 
         paths = validate_tree(paths, num_heads=model.config.num_heads)
-        self.medusa = MedusaDrafter(model, build_tree(paths, model.device))
+        self.medusa = heads_drafter(model, build_tree(paths, model.device))
         branch = self.medusa.tree.top_k  # a rank no head fills marks the n-gram chain
         chain = [tuple([branch] + [0] * d) for d in range(ngram_length)]
         self.tree = build_tree(list(paths) + chain, model.device)
@@ -158,6 +162,15 @@ class MedusaNgramDrafter:
         return Draft(tree, tokens)
 
 
+def heads_drafter(model: MedusaModel, tree: TreeBuffers) -> Drafter:
+    """The drafter for the model's own heads on a static tree: `MedusaDrafter`, or `EagleDrafter` for EAGLE."""
+    if model.is_eagle:
+        from .eagle import EagleDrafter
+
+        return EagleDrafter(model, tree)
+    return MedusaDrafter(model, tree)
+
+
 def make_drafter(model: MedusaModel, tree_name_or_file: str, ngram: bool = False, name: str | None = None,
                  budget: int | None = None, **options) -> Drafter:
     """The CLI's drafters by name: the Medusa tree, optionally with an n-gram branch (`ngram` or
@@ -175,4 +188,4 @@ def make_drafter(model: MedusaModel, tree_name_or_file: str, ngram: bool = False
         return make_headless_drafter(model, name, **options)
     ngram = ngram or name == "medusa+ngram"
     paths = load_tree(tree_name_or_file)
-    return MedusaNgramDrafter(model, paths) if ngram else MedusaDrafter(model, build_tree(paths, model.device))
+    return MedusaNgramDrafter(model, paths) if ngram else heads_drafter(model, build_tree(paths, model.device))

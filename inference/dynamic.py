@@ -274,6 +274,7 @@ class AdaptiveDrafter:
 def make_dynamic_drafter(model: MedusaModel, name: str, budget: int | None = None, top_k: int = DEFAULT_TOP_K,
                          cost: Callable[[int], float] | Sequence[float] | None = None):
     """`dynamic` (a `budget`-node tree, default 16) or `adaptive` (a budget of up to `budget`, default 32)."""
+    model.require_heads(f"The {name} drafter")
     if name == "dynamic":
         return DynamicDrafter(model, 16 if budget is None else budget, top_k)
     if name == "adaptive":

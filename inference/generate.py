@@ -112,9 +112,9 @@ class GenerationStats:
 
 @torch.no_grad()
 def prefill(model: MedusaModel, input_ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids: [1, L] -> (logits [V], hidden [H]) at the last prompt position."""
+    """input_ids: [1, L] -> (logits [V] at the last prompt position, hidden states [L, H] at all of them)."""
     logits, hidden = backbone_forward(model.backbone, input_ids, cache, logits_to_keep=1)
-    return logits[0, -1], hidden[0, -1]
+    return logits[0, -1], hidden[0]
 
 
 @torch.no_grad()
@@ -131,7 +131,8 @@ def verify(model: MedusaModel, draft: Draft, cache, past_len: int) -> tuple[torc
 def tree_decode_step(model: MedusaModel, drafter: Drafter, acceptance: Acceptance, cache,
                      state: DecodeState, stats: GenerationStats | None = None
                      ) -> tuple[Accepted, list[int], torch.Tensor]:
-    """Returns (accepted path, new tokens: accepted drafts + bonus, hidden state that predicted the bonus).
+    """Returns (accepted path, new tokens: accepted drafts + bonus, hidden states [n, H] of the accepted nodes,
+    the last one the one that predicted the bonus).
     The step is recorded in `stats` and, for a drafter that learns from its results, passed to its `observe`."""
     past_len = cache.get_seq_length()
     draft = drafter.propose(state)
@@ -143,7 +144,7 @@ def tree_decode_step(model: MedusaModel, drafter: Drafter, acceptance: Acceptanc
     if hasattr(drafter, "observe"):
         drafter.observe(draft, accepted)
     new = draft.tokens[accepted.nodes[1:]].tolist() + [accepted.bonus]
-    return accepted, new, hidden[accepted.nodes[-1]]
+    return accepted, new, hidden[accepted.nodes]
 
 
 def _cut(tokens: list[int], limit: int, eos: set[int]) -> tuple[list[int], bool]:
@@ -205,7 +206,7 @@ def generate_ids(
 
     start = time.perf_counter()
     while not done:
-        state = DecodeState(sequence, root, hidden)
+        state = DecodeState(sequence, root, hidden[-1], fresh_hidden=hidden)
         _, tokens, hidden = tree_decode_step(model, drafter, acceptance, cache, state, stats)
         tokens, done = _cut(tokens, max_new_tokens - len(new_ids), eos)
         if stop is not None and (keep := stop(new_ids + tokens)) is not None:

@@ -2,12 +2,14 @@
 
 from .backbone import EMBEDDED_MODEL, load_backbone, load_tokenizer
 from .config import MedusaConfig
+from .eagle import EagleHead
 from .errors import MedusaError
 from .heads import MedusaHeads
 from .model import MedusaModel, load_heads
 
 __all__ = [
     "EMBEDDED_MODEL",
+    "EagleHead",
     "MedusaConfig",
     "MedusaError",
     "MedusaHeads",

@@ -119,7 +119,7 @@ def backbone_forward(
     attention_mask: torch.Tensor | None = None,
     logits_to_keep: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One forward pass; returns (logits [B, T', V], last hidden state [B, T', H]), T' = the kept positions.
+    """One forward pass; returns (logits [B, T', V] at the T' kept positions, last hidden state [B, T, H]).
 
     The last hidden state is the one the model's own LM head reads, the input the heads are trained on.
     """
@@ -132,7 +132,4 @@ def backbone_forward(
         output_hidden_states=True,
         logits_to_keep=logits_to_keep,
     )
-    hidden = out.hidden_states[-1]
-    if logits_to_keep:
-        hidden = hidden[:, -logits_to_keep:]
-    return out.logits, hidden
+    return out.logits, out.hidden_states[-1]

@@ -106,7 +106,8 @@ def _add_tree_commands(sub) -> None:
     opt = tree_sub.add_parser("optimize", help="the tree of the best expected tokens per step time")
     opt.add_argument("--calibration", type=Path, required=True,
                      help="jsonl of the backbone's own answers (calibrates on it; never the benchmark prompts), "
-                          "or a JSON of calibration counts: a tree this command wrote reuses its own")
+                          "or a JSON of calibration counts: a tree this command wrote reuses its own, and a "
+                          "trainer's head_accuracies.json holds its held-out counts")
     opt.add_argument("--rows", help="START:END, the jsonl rows to calibrate on (default: all)")
     opt.add_argument("--top-k", type=int, default=10, help="ranks per head to calibrate")
     opt.add_argument("--max-nodes", type=int, default=64, help="largest tree to consider, the root included")

@@ -3,8 +3,8 @@
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-FORMAT_VERSION = 2  # 2: `head_type` and `draft_vocab_size` (version-1 heads load unchanged)
-HEAD_TYPES = ("medusa", "hydra")
+FORMAT_VERSION = 3  # 2: `head_type` and `draft_vocab_size`; 3: `head_type="eagle"` and `decoder_config`
+HEAD_TYPES = ("medusa", "hydra", "eagle")
 
 
 @strict(accept_kwargs=True)
@@ -33,10 +33,15 @@ class MedusaConfig(PreTrainedConfig):
         head_type (`str`, defaults to `"medusa"`):
             `"medusa"`: each head reads only the hidden state. `"hydra"`: head k also reads the embeddings of
             the k tokens before its own on the draft path (the root and the guesses of heads 1..k-1), so the
-            guesses along a path are coherent.
+            guesses along a path are coherent. `"eagle"`: not heads but one decoder layer (EAGLE-style) that
+            reads the backbone's features and tokens of the whole context and predicts the next feature; it
+            drafts `num_heads` deep, one depth per call (`medusa_heads.eagle`).
         draft_vocab_size (`int`, *optional*):
             Heads guess among this many tokens only (the most frequent in the training targets, saved as the
             `draft_vocab` buffer): a cheaper projection. Verification still uses the full vocabulary.
+        decoder_config (`dict`, *optional*):
+            For `head_type="eagle"`: the config (as a dict) of the one-layer decoder, the backbone's own with
+            `num_hidden_layers=1`.
         format_version (`int`):
             Version of the saved format, checked on load.
 
@@ -59,6 +64,7 @@ class MedusaConfig(PreTrainedConfig):
     share_lm_head: bool = True
     head_type: str = "medusa"
     draft_vocab_size: int | None = None
+    decoder_config: dict | None = None
     format_version: int = FORMAT_VERSION
 
     def validate_architecture(self):
@@ -77,6 +83,8 @@ class MedusaConfig(PreTrainedConfig):
             raise ValueError(
                 f"`draft_vocab_size` must be in 1..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}."
             )
+        if self.head_type == "eagle" and (self.decoder_config is None or not self.share_lm_head):
+            raise ValueError("`head_type=\"eagle\"` needs a `decoder_config` and `share_lm_head=True`.")
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
                 f"These heads use format version {self.format_version}, newer than this medusa-heads "

@@ -34,7 +34,41 @@ class TokenMix(nn.Module):
         return hidden + F.linear(token_embeds.flatten(-2), self.weight)
 
 
-class MedusaHeads(PreTrainedModel):
+class DraftVocabulary:
+    """For heads that may guess among a subset of the vocabulary, the `draft_vocab` buffer (or None)."""
+
+    draft_vocab: torch.Tensor | None
+    config: MedusaConfig
+
+    def _register_draft_vocab(self) -> None:
+        if self.config.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(self.config.draft_vocab_size))
+        else:
+            self.draft_vocab = None
+
+    @torch.no_grad()
+    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
+        """The tokens the heads guess among, [draft_vocab_size] ids of the backbone's vocabulary."""
+        if self.draft_vocab is None or token_ids.shape != self.draft_vocab.shape:
+            raise ValueError(f"Expected {self.config.draft_vocab_size} draft-vocabulary ids, got {tuple(token_ids.shape)}.")
+        self.draft_vocab.copy_(token_ids)
+
+    def output_projection(self, lm_head: nn.Module) -> nn.Module:
+        """The projection `project` expects for shared heads: `lm_head` itself, or its rows of the draft vocabulary
+        (a copy, made once by the caller)."""
+        if self.draft_vocab is None:
+            return lm_head
+        sub = nn.Linear(lm_head.weight.shape[1], self.draft_vocab.numel(), bias=False,
+                        device=lm_head.weight.device, dtype=lm_head.weight.dtype)
+        sub.weight.data.copy_(lm_head.weight.data[self.draft_vocab.to(lm_head.weight.device)])
+        return sub.requires_grad_(False)
+
+    def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Indices into the heads' output vocabulary -> token ids of the backbone's vocabulary."""
+        return indices if self.draft_vocab is None else self.draft_vocab[indices]
+
+
+class MedusaHeads(DraftVocabulary, PreTrainedModel):
     r"""
     The heads alone: per head, `num_layers` residual blocks (each its own module) and a vocabulary projection.
 
@@ -63,36 +97,12 @@ class MedusaHeads(PreTrainedModel):
         self.mixers = nn.ModuleList(TokenMix(h, j + 1) for j in range(k)) if config.head_type == "hydra" else None
         out = config.draft_vocab_size or config.vocab_size
         self.lm_heads = None if config.share_lm_head else nn.ModuleList(nn.Linear(h, out, bias=False) for _ in range(k))
-        if config.draft_vocab_size:
-            self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size))
-        else:
-            self.draft_vocab = None
+        self._register_draft_vocab()
         self.post_init()
 
     @property
     def is_hydra(self) -> bool:
         return self.mixers is not None
-
-    @torch.no_grad()
-    def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
-        """The tokens the heads guess among, [draft_vocab_size] ids of the backbone's vocabulary."""
-        if self.draft_vocab is None or token_ids.shape != self.draft_vocab.shape:
-            raise ValueError(f"Expected {self.config.draft_vocab_size} draft-vocabulary ids, got {tuple(token_ids.shape)}.")
-        self.draft_vocab.copy_(token_ids)
-
-    def output_projection(self, lm_head: nn.Module) -> nn.Module:
-        """The projection `project` expects for shared heads: `lm_head` itself, or its rows of the draft vocabulary
-        (a copy, made once by the caller)."""
-        if self.draft_vocab is None:
-            return lm_head
-        sub = nn.Linear(lm_head.weight.shape[1], self.draft_vocab.numel(), bias=False,
-                        device=lm_head.weight.device, dtype=lm_head.weight.dtype)
-        sub.weight.data.copy_(lm_head.weight.data[self.draft_vocab.to(lm_head.weight.device)])
-        return sub.requires_grad_(False)
-
-    def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
-        """Indices into the heads' output vocabulary -> token ids of the backbone's vocabulary."""
-        return indices if self.draft_vocab is None else self.draft_vocab[indices]
 
     @torch.no_grad()
     def init_lm_heads_from(self, lm_head: nn.Module) -> None:

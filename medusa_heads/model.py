@@ -12,6 +12,7 @@ from transformers import PreTrainedModel
 from .backbone import EMBEDDED_MODEL, first_line, load_backbone, parse_dtype
 from .config import MedusaConfig
 from .errors import MedusaError
+from .eagle import EagleHead, decoder_config_for
 from .heads import MedusaHeads
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ def shipped_heads(base_model: str) -> Path | None:
     return folder if folder is not None and (folder / "config.json").is_file() else None
 
 
-def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> MedusaHeads:
+def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> MedusaHeads | EagleHead:
     """Load heads from a local folder or hub id; missing or unexpected weights are an error, not a warning."""
     local = Path(path)
     if local.exists() and not (local / "config.json").is_file():
@@ -36,7 +37,8 @@ def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> Medu
     try:
         config = MedusaConfig.from_pretrained(path)
         extra = {"dtype": parse_dtype(dtype)} if dtype is not None else {}
-        heads, info = MedusaHeads.from_pretrained(path, config=config, output_loading_info=True, **extra)
+        kind = EagleHead if config.head_type == "eagle" else MedusaHeads
+        heads, info = kind.from_pretrained(path, config=config, output_loading_info=True, **extra)
     except (OSError, ValueError, StrictDataclassError, SafetensorError) as err:
         raise MedusaError(f"Cannot load Medusa heads from `{path}`: {first_line(err)}") from err
     bad = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
@@ -45,7 +47,7 @@ def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> Medu
     return heads.eval()
 
 
-def check_fits(heads: MedusaHeads, backbone: PreTrainedModel) -> None:
+def check_fits(heads: MedusaHeads | EagleHead, backbone: PreTrainedModel) -> None:
     """Raise a MedusaError naming every size that differs between heads and backbone."""
     text_config = backbone.config.get_text_config()
     vocab = backbone.get_output_embeddings().weight.shape[0]
@@ -63,9 +65,9 @@ def check_fits(heads: MedusaHeads, backbone: PreTrainedModel) -> None:
 
 def untrained_heads(backbone: PreTrainedModel, name_or_path: str, num_heads: int = 4, num_layers: int = 1,
                     share_lm_head: bool = True, gguf_file: str | None = None, head_type: str = "medusa",
-                    draft_vocab: torch.Tensor | None = None) -> MedusaHeads:
+                    draft_vocab: torch.Tensor | None = None) -> MedusaHeads | EagleHead:
     """Fresh heads for `backbone`: each starts as exactly the backbone's LM head (restricted to `draft_vocab`,
-    token ids the heads guess among, when given)."""
+    token ids the heads guess among, when given). `head_type="eagle"`: a fresh one-layer drafter instead."""
     config = MedusaConfig(
         base_model_name_or_path=name_or_path,
         base_model_gguf_file=gguf_file,
@@ -76,8 +78,11 @@ def untrained_heads(backbone: PreTrainedModel, name_or_path: str, num_heads: int
         share_lm_head=share_lm_head,
         head_type=head_type,
         draft_vocab_size=None if draft_vocab is None else int(draft_vocab.numel()),
+        decoder_config=decoder_config_for(backbone.config) if head_type == "eagle" else None,
     )
-    heads = MedusaHeads(config)
+    heads = EagleHead(config) if head_type == "eagle" else MedusaHeads(config)
+    if head_type == "eagle":
+        heads.init_as_identity()
     if draft_vocab is not None:
         heads.set_draft_vocab(draft_vocab)
     if not share_lm_head:
@@ -107,13 +112,14 @@ class MedusaModel(nn.Module):
     >>> model = MedusaModel.from_pretrained("path/to/heads", base_model="path/to/backbone", dtype="bfloat16")
     """
 
-    def __init__(self, backbone: PreTrainedModel, heads: MedusaHeads):
+    def __init__(self, backbone: PreTrainedModel, heads: MedusaHeads | EagleHead):
         super().__init__()
         check_fits(heads, backbone)
         self.backbone = backbone
         self.heads = heads
         # Shared heads project with the backbone's LM head, or a copy of its draft-vocabulary rows.
-        self.projection = heads.output_projection(backbone.get_output_embeddings()) if heads.lm_heads is None else None
+        shared = getattr(heads, "lm_heads", None) is None
+        self.projection = heads.output_projection(backbone.get_output_embeddings()) if shared else None
 
     @property
     def config(self) -> MedusaConfig:
@@ -122,6 +128,16 @@ class MedusaModel(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.backbone.device
+
+    @property
+    def is_eagle(self) -> bool:
+        """A one-layer drafter over the context (`EagleHead`) rather than heads on the last hidden state."""
+        return isinstance(self.heads, EagleHead)
+
+    def require_heads(self, what: str) -> None:
+        """Raise a one-line error when `what` needs heads that draft from the last hidden state alone."""
+        if self.is_eagle:
+            raise MedusaError(f"{what} needs Medusa or Hydra heads; these are an EAGLE drafter: use a static tree.")
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

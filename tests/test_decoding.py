@@ -106,7 +106,7 @@ def test_cache_after_a_step_equals_plain_decoding_of_the_accepted_tokens(model, 
     root = int(logits.argmax())
     drafter = OracleDrafter(tree, ids.shape[1], reference, seed=5)
     # Pick a seed whose hidden path is not the first branch, so the gather is not a no-op.
-    state = DecodeState(ids[0].tolist() + [root], root, hidden)
+    state = DecodeState(ids[0].tolist() + [root], root, hidden[-1], hidden)
     accepted, new_tokens, _ = tree_decode_step(model, drafter, GreedyAcceptance(), cache, state)
     assert accepted.depth >= 2 and accepted.nodes.tolist() != list(range(accepted.depth + 1))
     kept = torch.cat([ids[0], torch.tensor([root] + new_tokens[:-1])])[None]
@@ -160,7 +160,7 @@ def test_hydra_tree_is_filled_path_by_path(random_hydra_model, tokenizer):
     ids = encode_prompt(tokenizer, "Name a colour.")
     cache = new_cache(random_hydra_model.backbone)
     _, hidden = prefill(random_hydra_model, ids, cache)
-    tokens = drafter.fill(DecodeState(ids[0].tolist() + [42], 42, hidden), tree)
+    tokens = drafter.fill(DecodeState(ids[0].tolist() + [42], 42, hidden[-1]), tree)
     for node, path in enumerate(tree.paths, start=1):  # each node: its parent's guess of its rank, given the path
         ancestors = [tree.paths.index(path[:d]) + 1 for d in range(1, len(path))]
         path_tokens = torch.tensor([[42] + tokens[ancestors].tolist()])

@@ -2,7 +2,10 @@ import math
 
 import torch
 
-from medusa_heads.training.losses import head_targets, head_weights, heads_loss, rank_hits
+from medusa_heads.inference.acceptance import GreedyAcceptance
+from medusa_heads.inference.drafters import Draft
+from medusa_heads.training.losses import head_targets, head_weights, heads_loss, rank_hits, tree_walk
+from medusa_heads.tree import build_tree, load_tree
 
 
 def test_targets_by_hand():
@@ -79,3 +82,35 @@ def test_labels_outside_the_draft_vocabulary_are_misses_not_losses():
     assert hits.tolist() == [[1, 0]] and counts.tolist() == [2]
     _, per_head = heads_loss([logits], [labels])
     assert torch.allclose(per_head[0], torch.log1p(torch.exp(torch.tensor(-5.0))))
+
+
+def test_tree_walk_replays_greedy_verification():
+    """Against the runtime's own acceptance: each position's heads fill the tree with their top-k, a backbone
+    whose argmax is the true path's next token verifies it; the accepted depth must be what `tree_walk` says."""
+    torch.manual_seed(0)
+    tree = build_tree(load_tree("cpu-16"))
+    K, N, V = tree.max_depth, 300, 6  # a small vocabulary: labels often sit at ranks the tree holds
+    logits = [torch.randn(N, V) for _ in range(K)]
+    labels = [torch.randint(0, V, (N,)) for _ in range(K)]
+    labels[2][:20] = -1  # outside the draft vocabulary: never accepted
+    tried, accepted = tree_walk(logits, labels, tree.paths)
+    for i in range(N):
+        top = [lg[i].topk(V).indices for lg in logits]
+        tokens = torch.tensor([0] + [int(top[len(p) - 1][p[-1]]) for p in tree.paths])
+        truth = [max(int(lb[i]), 0) if lb[i] >= 0 else V for lb in labels]  # V: a token no head drafts
+        verify = torch.nn.functional.one_hot(torch.tensor([truth[min(int(d), K - 1)] for d in tree.depth]), V + 1)
+        depth = GreedyAcceptance().accept(Draft(tree, tokens), verify.float()).depth
+        assert int(accepted[:, i].sum()) == depth, i
+        assert accepted[:depth, i].all()
+    assert tried[0].all() and (accepted <= tried).all() and (tried[1:] <= accepted[:-1]).all()
+    assert not tried[1:][accepted[:-1]].all()  # an accepted leaf: the tree drafts nothing below it
+    assert 0 < accepted[0].float().mean() < 1 and accepted[1].any()  # both outcomes happen
+
+
+def test_tree_weighting_counts_only_where_the_tree_drafts():
+    logits = [torch.tensor([[2.0, 1.0, 0.0]] * 2), torch.zeros(2, 3)]
+    labels = [torch.tensor([0, 2]), torch.tensor([1, 1])]  # position 1: head 1's label is outside the chain
+    total, per_head = heads_loss(logits, labels, weighting="tree", tree_paths=((0,), (0, 0)))
+    first = -torch.log_softmax(logits[0], -1)[[0, 1], [0, 2]]
+    assert torch.allclose(total, first.mean() + math.log(3) / 2)  # head 2 counts at position 0 only
+    assert torch.allclose(per_head[1], torch.tensor(math.log(3)))

@@ -82,7 +82,7 @@ class TreeSampler:
         self.steps: dict[tuple[int, ...], tuple[Draft, torch.Tensor]] = {}
 
     def prefill(self, prompt: tuple[int, ...]):
-        """(logits [V], hidden [H]) after `prompt`, and a cache holding it (fresh each call)."""
+        """(logits [V], hidden [L, H]) after `prompt`, and a cache holding it (fresh each call)."""
         cache = new_cache(self.model.backbone)
         logits, hidden = prefill(self.model, torch.tensor([prompt]), cache)
         return logits, hidden, cache
@@ -91,7 +91,7 @@ class TreeSampler:
         """The draft and the tree's logits of the step whose root is `context`'s last token."""
         if context not in self.steps:
             _, hidden, cache = self.prefill(context[:-1])
-            draft = self.drafter.propose(DecodeState(list(context), context[-1], hidden))
+            draft = self.drafter.propose(DecodeState(list(context), context[-1], hidden[-1], hidden))
             logits, _ = verify(self.model, draft, cache, cache.get_seq_length())
             self.steps[context] = draft, logits
         return self.steps[context]

@@ -207,6 +207,20 @@ def test_acceptance_weighting_trains(tiny_backbone, counting_data, tmp_path):
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
 
 
+def test_tree_path_loss_trains_and_reports_the_accepted_length(tiny_backbone, counting_data, tmp_path):
+    tree = tmp_path / "tree.json"
+    tree.write_text(json.dumps([[0], [1], [0, 0], [0, 1], [1, 0]]))
+    result = train(recipe(tiny_backbone, counting_data, tmp_path / "run", loss_weighting="tree", tree=str(tree),
+                          share_lm_head=False))
+    losses = [h["loss"] for h in result["history"]]
+    assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
+    acc = result["accuracies"]
+    # Replayed verification: at least the bonus token, at most the tree's depth + 1; trained heads accept.
+    assert acc["tree"] == str(tree) and 1.2 < acc["tree_accepted_length"] <= 3
+    with pytest.raises(MedusaError, match="needs `tree`"):
+        recipe(tiny_backbone, counting_data, tmp_path / "bad", loss_weighting="tree")
+
+
 def test_eval_data_is_the_held_out_set(tiny_backbone, counting_data, tmp_path):
     """With `eval_data`, every conversation of `data` trains and accuracy is measured on the other file only:
     two runs on different training data count the same held-out positions; each set has its own cache."""
@@ -221,3 +235,28 @@ def test_eval_data_is_the_held_out_set(tiny_backbone, counting_data, tmp_path):
         positions.append(result["accuracies"]["positions"])
         assert len(list((out / "hidden").glob("*.safetensors"))) == 2  # the training set's and the held-out set's
     assert positions[0] == positions[1] and min(positions[0]) > 8 * 10
+
+
+def test_eagle_drafter_trains_on_the_context_and_decodes_exactly(tiny_backbone, pairs_data, tmp_path, tokenizer):
+    """The same pairs: an EAGLE drafter reads the next token too, so it learns the copies; unrolled two deep,
+    saved, loaded by `MedusaModel.from_pretrained` and decoding exactly like the backbone."""
+    from medusa_heads import MedusaModel
+    from medusa_heads.eagle import EagleHead
+    from medusa_heads.inference.calibrate import load_calibration
+    from medusa_heads.inference.eagle import EagleDrafter
+    from medusa_heads.inference.generate import encode_prompt
+    from medusa_heads.tree import build_tree
+
+    from oracle import decode, hf_greedy
+
+    train(recipe(tiny_backbone, pairs_data, tmp_path / "eagle", head_type="eagle", num_heads=2, max_steps=60,
+                 held_out_fraction=0.15, draft_vocab_coverage=0.99, eval_every=60))
+    top1 = json.loads((tmp_path / "eagle" / "heads" / "head_accuracies.json").read_text())["top1"]
+    assert top1[0] > 0.25, top1  # Medusa heads: 0.04 on the same data (the Hydra test above)
+    calibration = load_calibration(tmp_path / "eagle" / "heads" / "head_accuracies.json")  # for `tree optimize`
+    assert len(calibration.p) == 2 and calibration.p[0][0] == pytest.approx(top1[0])
+    model = MedusaModel.from_pretrained(tmp_path / "eagle" / "heads")
+    assert isinstance(model.heads, EagleHead) and model.config.draft_vocab_size < 100
+    ids = encode_prompt(tokenizer, "Say words twice.")
+    drafter = EagleDrafter(model, build_tree([(0,), (1,), (0, 0), (0, 1), (1, 0)]))
+    assert decode(model, ids, drafter, max_new_tokens=40) == hf_greedy(model.backbone, ids, 40)

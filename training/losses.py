@@ -44,9 +44,37 @@ def head_weights(num_heads: int, decay: float) -> list[float]:
     return [decay ** (j + 1) for j in range(num_heads)]
 
 
+@torch.no_grad()
+def tree_walk(logits: list[torch.Tensor], labels: list[torch.Tensor], paths: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""
+    Greedy verification of a static tree replayed on the true path. Per head j (depth j + 1): logits [N, V] and
+    labels [N] (-1 or -100: no right guess). Returns (tried [K, N], accepted [K, N]) bool: whether the tree
+    drafts depth j + 1 below the true path (every depth above was accepted and that node has children), and
+    whether the head's guess there was right and within the node's children. The step's accepted length is
+    1 + accepted.sum(0).
+    """
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
+    top_k = 1 + max(p[-1] for p in paths)
+    off = len(index)  # a node id for "off the tree": no children
+    device = logits[0].device
+    child = torch.full((off + 1, top_k), off, dtype=torch.long)
+    for path, node in index.items():
+        if path:
+            child[index[path[:-1]], path[-1]] = node
+    child = child.to(device)
+    node = torch.zeros(labels[0].shape[0], dtype=torch.long, device=device)
+    tried, accepted = [], []
+    for lg, lb in zip(logits, labels):
+        tried.append(child[node, 0] != off)
+        rank = (lg > lg.gather(-1, lb.clamp(min=0)[:, None])).sum(-1)  # the label's rank among the guesses
+        node = torch.where((lb < 0) | (rank >= top_k), off, child[node, rank.clamp(max=top_k - 1)])
+        accepted.append(node != off)
+    return torch.stack(tried), torch.stack(accepted)
+
+
 def heads_loss(logits: list[torch.Tensor], labels: list[torch.Tensor], decay: float = 0.8, kind: str = "ce",
-               teacher_logits: list[torch.Tensor] | None = None,
-               weighting: str = "decay") -> tuple[torch.Tensor, list[torch.Tensor]]:
+               teacher_logits: list[torch.Tensor] | None = None, weighting: str = "decay",
+               tree_paths: tuple | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     r"""
     Per head j: logits [N, V] and labels [N] at the same N positions (-100: head j has no label there, -1: its
     label is outside the draft vocabulary) -> (weighted total, per-head mean losses).
@@ -54,9 +82,16 @@ def heads_loss(logits: list[torch.Tensor], labels: list[torch.Tensor], decay: fl
     `kind="kl"` matches the backbone's own distribution instead, teacher_logits[j]: [N, V].
     `weighting="decay"` weighs head k by decay ** k. `weighting="acceptance"` weighs head k's loss at each
     position by the probability (under the heads, not differentiated) that heads 1..k-1 guessed their tokens
-    there: a head's guess only counts when the path before it was accepted.
+    there: a head's guess only counts when the path before it was accepted. `weighting="tree"` is the
+    negative log-probability, under the heads, of the true path's tokens as far as the tree `tree_paths` would
+    draft them: head k's loss counts where greedy verification of that tree, replayed with the heads' current
+    ranks (`tree_walk`), reaches depth k below the true path, and nowhere else.
     """
     per_head, totals = [], []
+    if weighting == "tree":
+        if tree_paths is None:
+            raise ValueError("`weighting=\"tree\"` needs the tree's paths (`tree_paths`).")
+        tried, _ = tree_walk(logits, labels, tree_paths)
     reached = None  # [N] probability that the heads before this one were right
     for j, (lg, lb) in enumerate(zip(logits, labels)):
         logp = F.log_softmax(lg.float(), -1)
@@ -81,8 +116,10 @@ def heads_loss(logits: list[torch.Tensor], labels: list[torch.Tensor], decay: fl
             reached = weight
         elif weighting == "decay":
             totals.append(decay ** (j + 1) * per_head[-1])
+        elif weighting == "tree":
+            totals.append((tried[j] * loss).sum() / n)
         else:
-            raise ValueError(f"Unknown weighting `{weighting}`; use decay or acceptance.")
+            raise ValueError(f"Unknown weighting `{weighting}`; use decay, acceptance or tree.")
     return sum(totals), per_head
 
 

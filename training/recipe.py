@@ -24,13 +24,15 @@ class TrainConfig:
     num_heads: int = 4
     num_layers: int = 1
     share_lm_head: bool = True  # False: each head owns a projection initialised from the backbone's
-    head_type: str = "medusa"  # medusa: hidden state only; hydra: also the embeddings of the path's tokens
+    head_type: str = "medusa"  # medusa: hidden state only; hydra: also the path's tokens; eagle: one decoder layer
     draft_vocab_size: int | None = None  # heads guess among the N most frequent assistant tokens only
     draft_vocab_coverage: float | None = None  # ... or among as few as cover this share of them (e.g. 0.99)
     # objective
     loss: str = "ce"  # ce: hard labels; kl: the backbone's own distribution (free from the same forward)
     decay: float = 0.8  # head k weighs decay ** k
-    loss_weighting: str = "decay"  # decay, or acceptance: head k's loss counts as much as heads 1..k-1 were right
+    loss_weighting: str = "decay"  # decay, or acceptance: head k's loss counts as much as heads 1..k-1 were right;
+    # or tree: head k's loss counts where the tree `tree` drafts depth k below the true path (its path loss)
+    tree: str | None = None  # a tree name or file: held-out accepted length under it is reported
     # optimisation
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
@@ -66,10 +68,15 @@ class TrainConfig:
     def __post_init__(self):
         if self.loss not in ("ce", "kl"):
             raise MedusaError(f"`loss` must be ce or kl, got {self.loss!r}.")
-        if self.head_type not in ("medusa", "hydra"):
-            raise MedusaError(f"`head_type` must be medusa or hydra, got {self.head_type!r}.")
-        if self.loss_weighting not in ("decay", "acceptance"):
-            raise MedusaError(f"`loss_weighting` must be decay or acceptance, got {self.loss_weighting!r}.")
+        if self.head_type not in ("medusa", "hydra", "eagle"):
+            raise MedusaError(f"`head_type` must be medusa, hydra or eagle, got {self.head_type!r}.")
+        if self.head_type == "eagle" and (self.medusa2 or not self.share_lm_head):
+            raise MedusaError("`head_type: eagle` trains the drafter alone with the backbone's LM head: it needs "
+                              "`medusa2: false` and `share_lm_head: true`.")
+        if self.loss_weighting not in ("decay", "acceptance", "tree"):
+            raise MedusaError(f"`loss_weighting` must be decay, acceptance or tree, got {self.loss_weighting!r}.")
+        if self.loss_weighting == "tree" and self.tree is None:
+            raise MedusaError("`loss_weighting: tree` needs `tree`, the tree the heads are trained for.")
         if self.draft_vocab_size is not None and self.draft_vocab_coverage is not None:
             raise MedusaError("Give `draft_vocab_size` or `draft_vocab_coverage`, not both.")
         if not 0 < self.decay <= 1:

@@ -12,16 +12,20 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import DynamicCache
 
 from medusa_heads.backbone import backbone_forward, load_backbone, load_tokenizer
+from medusa_heads.eagle import unrolled_mask
 from medusa_heads.errors import MedusaError
 from medusa_heads.model import untrained_heads
+from medusa_heads.tree import load_tree, validate_tree
 
 from .data import load_examples
 from .hidden_states import HiddenStateCache, compute_hidden, pad_batch
 from .draft_vocab import frequent_tokens
-from .losses import backbone_kl, draft_labels, follow_embeddings, head_targets, heads_loss, rank_hits
+from .losses import backbone_kl, draft_labels, follow_embeddings, head_targets, heads_loss, rank_hits, tree_walk
 from .recipe import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -60,6 +64,32 @@ def heads_forward(heads, lm_head, embed, hidden, input_ids, loss_mask, cfg: Trai
             teachers = [lm_head(hidden[b_idx, teacher_pos[j][where]].to(lm_head.weight.dtype))
                         for j in range(cfg.num_heads)]
     return logits, targets, teachers
+
+
+def eagle_forward(drafter, lm_head, embed, hidden, input_ids, loss_mask, cfg: TrainConfig, vocab_index=None):
+    """`heads_forward` for an EAGLE drafter, unrolled `cfg.num_heads` draft depths deep ("training-time test"):
+    level j at position t predicts x_{t+2} from the backbone's features up to t - j + 1 and its own predicted
+    features after them, seeing exactly what it sees when drafting j deep (`unrolled_mask`). Every level is
+    scored at the same positions (t >= num_heads - 1, where x_{t+2} is an answer token)."""
+    B, T = input_ids.shape
+    n, levels, device = T - 1, cfg.num_heads, input_ids.device  # entry t = (f_t, x_{t+1}), t = 0 .. T - 2
+    dtype = next(drafter.parameters()).dtype
+    token_embeds = embed(input_ids[:, 1:]).to(dtype)
+    positions = torch.arange(n, device=device).expand(B, n)
+    where = torch.zeros(B, n, dtype=torch.bool, device=device)
+    where[:, levels - 1 : n - 1] = loss_mask[:, levels + 1 :].bool()
+    labels = draft_labels(F.pad(input_ids[:, 2:], (0, 1))[where], vocab_index)
+    cache, logits, out = DynamicCache(), [], None
+    for level in range(1, levels + 1):
+        features = hidden[:, :-1].to(dtype) if level == 1 else F.pad(out[:, :-1], (0, 0, 1, 0))
+        mask = unrolled_mask(level, n, device)[None, None].expand(B, 1, n, level * n)
+        out = drafter(features, token_embeds, positions, mask, cache)
+        logits.append(lm_head(out[where]))
+    teachers = None
+    if cfg.loss == "kl":
+        with torch.no_grad():
+            teachers = [lm_head(hidden[:, 1:][where].to(lm_head.weight.dtype))] * levels
+    return logits, [labels] * levels, teachers
 
 
 def free_port() -> int:
@@ -118,6 +148,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         split = torch.randperm(len(examples), generator=torch.Generator().manual_seed(cfg.seed)).tolist()
         held_out = [examples[i] for i in split[:n_held]]
         train_set = [examples[i] for i in split[n_held:]]
+    tree_paths = validate_tree(load_tree(cfg.tree), num_heads=cfg.num_heads) if cfg.tree else None
     if len(train_set) < cfg.batch_size:
         raise MedusaError(f"Only {len(train_set)} training conversations for `batch_size` {cfg.batch_size}.")
     draft_vocab, vocab_index = None, None
@@ -133,7 +164,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     heads = heads.to(torch.float32).train()
     # The heads train in fp32 (autocast for mixed precision); so do the frozen projection and embeddings they read.
     lm_head = heads.output_projection(copy.deepcopy(backbone.get_output_embeddings()).float().requires_grad_(False))
-    embed = copy.deepcopy(backbone.get_input_embeddings()).float().requires_grad_(False) if heads.is_hydra else None
+    reads_tokens = cfg.head_type in ("hydra", "eagle")
+    embed = copy.deepcopy(backbone.get_input_embeddings()).float().requires_grad_(False) if reads_tokens else None
+    forward = eagle_forward if cfg.head_type == "eagle" else heads_forward
     if cfg.medusa2:
         from peft import LoraConfig, get_peft_model
 
@@ -201,8 +234,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         ids, mask, attn = (t.to(accelerator.device) for t in pad_batch([train_set[i] for i in indices]))
         with torch.set_grad_enabled(not warm):
             student, hidden = backbone_forward(backbone, ids, None, attention_mask=attn)
-        logits, targets, teachers = heads_forward(heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
-        heads_total, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers, cfg.loss_weighting)
+        logits, targets, teachers = forward(heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
+        heads_total, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers, cfg.loss_weighting,
+                                           tree_paths)
         if warm:
             return heads_total, per_head, mask
         with torch.no_grad(), accelerator.unwrap_model(backbone).disable_adapter():
@@ -214,19 +248,28 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         heads.eval()
         hits = torch.zeros(cfg.num_heads, cfg.top_k, dtype=torch.long)
         counts = torch.zeros(cfg.num_heads, dtype=torch.long)
+        steps = committed = 0
         for b in range(0, len(held_out), cfg.batch_size):
             idx = list(range(b, min(b + cfg.batch_size, len(held_out))))
             hidden, ids, mask = batch_inputs(held_out, idx, held_cache)
             with accelerator.autocast():
-                logits, targets, _ = heads_forward(raw_heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
+                logits, targets, _ = forward(raw_heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
             h, c = rank_hits(logits, targets, cfg.top_k)
             hits += h
             counts += c
+            if tree_paths is not None:
+                roots = targets[0] != -100  # a step's root: the token after it is an answer token
+                _, accepted = tree_walk(logits, targets, tree_paths)
+                steps += int(roots.sum())
+                committed += int(roots.sum()) + int(accepted[:, roots].sum())
         heads.train()
         per_rank = (hits.double() / counts.clamp(min=1)[:, None].double()).tolist()
-        return {"num_heads": cfg.num_heads, "top_k": cfg.top_k, "positions": counts.tolist(),
+        # `top_k`, `positions` and `hits` are also calibration counts: `tree optimize --calibration` reads them
+        return {"num_heads": cfg.num_heads, "top_k": cfg.top_k, "positions": counts.tolist(), "hits": hits.tolist(),
                 "per_rank": per_rank,  # [head][rank]: share of positions whose label sat at that rank
-                "top1": [r[0] for r in per_rank], "top5": [sum(r[:5]) for r in per_rank]}
+                "top1": [r[0] for r in per_rank], "top5": [sum(r[:5]) for r in per_rank],
+                # greedy verification of `tree` replayed on the held-out answers: tokens per step
+                **({"tree": cfg.tree, "tree_accepted_length": committed / max(steps, 1)} if tree_paths else {})}
 
     # Resume: weights, optimizer, scheduler and RNG from the last complete checkpoint; data position from step.
     step = 0
@@ -266,8 +309,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
                     loss, per_head, mask = medusa2_loss(indices, warm=step < cfg.heads_warmup_steps)
                 else:
                     hidden, ids, mask = batch_inputs(train_set, indices, train_cache)
-                    logits, targets, teachers = heads_forward(heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
-                    loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers, cfg.loss_weighting)
+                    logits, targets, teachers = forward(heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
+                    loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers,
+                                                cfg.loss_weighting, tree_paths)
                 if not torch.isfinite(loss):
                     last = latest_checkpoint(output_dir)
                     raise MedusaError(f"The loss became {loss.item()} at step {step}; stopped. The last good "
@@ -293,8 +337,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         if held_out and (step % cfg.eval_every == 0 or step == cfg.max_steps):
             acc = evaluate()
             history[-1]["held_out_top1"] = acc["top1"]
-            logger.info("held-out top-1 per head %s, top-5 %s", " ".join(f"{a:.3f}" for a in acc["top1"]),
-                        " ".join(f"{a:.3f}" for a in acc["top5"]))
+            logger.info("held-out top-1 per head %s, top-5 %s%s", " ".join(f"{a:.3f}" for a in acc["top1"]),
+                        " ".join(f"{a:.3f}" for a in acc["top5"]),
+                        f", accepted length on {cfg.tree} {acc['tree_accepted_length']:.3f}" if cfg.tree else "")
             if cfg.report_to:
                 accelerator.log({f"held_out_top1_head{j + 1}": a for j, a in enumerate(acc["top1"])}, step=step)
         if step % cfg.checkpoint_every == 0 and accelerator.is_main_process:

@@ -1,0 +1,88 @@
+"""`EagleDrafter`: fills a static tree with an `EagleHead`, which keeps its own KV cache over the context."""
+
+import torch
+from transformers import DynamicCache
+
+from medusa_heads.errors import MedusaError
+from medusa_heads.model import MedusaModel
+from medusa_heads.tree import TreeBuffers
+
+from .drafters import DecodeState, Draft, depth_plan
+
+
+class EagleDrafter:
+    r"""
+    Each step: append the newly committed positions (the backbone's features and the tokens after them) to the
+    drafter's cache, then draft depth by depth. A node at depth d >= 1 becomes one entry at position P + d - 1
+    (P: the root's position) reading its parent's predicted feature and its own token, attending to the
+    context and to the entries of its ancestors only; its output predicts its children. The speculative
+    entries are dropped from the cache afterwards: the next step recomputes the accepted ones from the
+    backbone's real features.
+    """
+
+    def __init__(self, model: MedusaModel, tree: TreeBuffers):
+        if not model.is_eagle:
+            raise MedusaError("EagleDrafter needs an EAGLE drafter (`head_type: eagle`), not Medusa heads.")
+        if tree.max_depth > model.config.num_heads:
+            raise MedusaError(f"The tree is {tree.max_depth} deep but the drafter was trained for "
+                              f"{model.config.num_heads}: choose a shallower tree.")
+        self.model = model
+        self.tree = tree
+        self.embed = model.backbone.get_input_embeddings()
+        self.cache: DynamicCache | None = None
+        self.committed = 0  # positions whose entries are in the cache
+
+    def _commit(self, state: DecodeState) -> torch.Tensor:
+        """Cache the entries of the newly committed positions -> the feature predicted for the root's position."""
+        fresh = state.fresh_hidden
+        if fresh is None:
+            raise MedusaError("EagleDrafter needs the hidden states of newly committed positions (`fresh_hidden`).")
+        root_position = len(state.token_ids) - 1
+        start = root_position - fresh.shape[0]
+        if start == 0:  # a new sequence
+            self.cache = DynamicCache()
+        elif start != self.committed:
+            raise MedusaError(f"EagleDrafter is out of step: it has {self.committed} positions, the state starts "
+                              f"new ones at {start}.")
+        device = fresh.device
+        after = torch.tensor(state.token_ids[start + 1 :], device=device)  # the token after each fresh position
+        positions = torch.arange(start, root_position, device=device)[None]
+        out = self.model.heads(fresh[None], self.embed(after)[None], positions, None, self.cache)
+        self.committed = root_position
+        return out[0, -1]
+
+    @torch.no_grad()
+    def fill(self, state: DecodeState, tree: TreeBuffers) -> torch.Tensor:
+        """Tokens [T] for `tree`'s nodes (as `MedusaDrafter.fill`: others' branches get placeholders)."""
+        device = tree.depth.device
+        tokens = torch.zeros(tree.size, dtype=torch.long, device=device)
+        tokens[0] = state.root
+        predicted = torch.zeros(tree.size, self.model.heads.config.hidden_size, dtype=self.model.backbone.dtype,
+                                device=device)
+        predicted[0] = self._commit(state)
+        entry = torch.full((tree.size,), -1, dtype=torch.long, device=device)  # node -> its speculative entry
+        context, drafted = self.committed, 0
+        for depth, step in enumerate(depth_plan(tree.paths, self.tree.top_k, str(device))):
+            parents = step.ancestors[:, -1]
+            if depth > 0:
+                n = parents.numel()
+                seen = torch.zeros(n, drafted + n, dtype=torch.bool, device=device)
+                for above in step.ancestors[:, 1:-1].T:  # the entries of ancestors at depths 1..depth-1
+                    seen[torch.arange(n, device=device), entry[above]] = True
+                seen[:, drafted:] = torch.eye(n, dtype=torch.bool, device=device)
+                mask = torch.cat([torch.ones(n, context, dtype=torch.bool, device=device), seen], dim=1)
+                positions = torch.full((1, n), context + depth - 1, device=device)
+                predicted[parents] = self.model.heads(predicted[step.ancestors[:, -2]][None],
+                                                      self.embed(tokens[parents])[None], positions,
+                                                      mask[None, None], self.cache)[0]
+                entry[parents] = drafted + torch.arange(n, device=device)
+                drafted += n
+            logits = self.model.projection(predicted[parents])
+            top = self.model.heads.token_ids(logits.topk(step.k, dim=-1).indices)  # [N, k]
+            tokens[step.children] = top[step.child_row, step.child_rank]
+        if drafted:
+            self.cache.crop(-drafted)
+        return tokens
+
+    def propose(self, state: DecodeState) -> Draft:
+        return Draft(self.tree, self.fill(state, self.tree))

@@ -1,0 +1,99 @@
+"""`EagleHead`: an EAGLE-style drafter, one decoder layer over the backbone's own features.
+
+At position t it reads the backbone's last hidden state f_t and the embedding of the next token x_{t+1}, and
+predicts f_{t+1}; the backbone's LM head (its draft-vocabulary rows) turns that into a guess for x_{t+2}. Unlike
+Medusa heads it sees the whole context through its own KV cache. Drafting d deep feeds its predicted feature
+back in place of the backbone's: entry d of a draft path reads (predicted f, drafted token).
+"""
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel, PreTrainedConfig, PreTrainedModel
+
+from .config import MedusaConfig
+from .heads import DraftVocabulary
+
+
+def decoder_config_for(backbone_config: PreTrainedConfig) -> dict:
+    """The backbone's own text config with one layer and no vocabulary: the drafter reads features, not ids."""
+    text = backbone_config.get_text_config().to_dict()
+    text.update(num_hidden_layers=1, vocab_size=1, pad_token_id=None, bos_token_id=None, eos_token_id=None,
+                tie_word_embeddings=False)
+    text.pop("layer_types", None)  # per-layer lists sized for the backbone's depth
+    text.pop("quantization_config", None)
+    return text
+
+
+class EagleHead(DraftVocabulary, PreTrainedModel):
+    r"""
+    `fc([f_t; e(x_{t+1})])`, then one decoder layer (the backbone's architecture, built from
+    `config.decoder_config`) and its final norm: features [..., T, H] -> predicted next features [..., T, H].
+
+    Example:
+
+    >>> from transformers import LlamaConfig
+    >>> backbone = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    >>> config = MedusaConfig(head_type="eagle", hidden_size=32, vocab_size=100,
+    ...                       decoder_config=decoder_config_for(backbone))
+    >>> EagleHead(config)(torch.zeros(1, 5, 32), torch.zeros(1, 5, 32)).shape
+    torch.Size([1, 5, 32])
+    """
+
+    config_class = MedusaConfig
+    base_model_prefix = "eagle"
+    main_input_name = "features"
+
+    def __init__(self, config: MedusaConfig):
+        super().__init__(config)
+        h = config.hidden_size
+        decoder = dict(config.decoder_config)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.decoder = AutoModel.from_config(AutoConfig.for_model(decoder.pop("model_type"), **decoder))
+        self._register_draft_vocab()
+        self.post_init()
+
+    is_hydra = False
+
+    @torch.no_grad()
+    def init_as_identity(self) -> None:
+        """Start as "the next feature is this one": fc reads the feature only and the layer's residual branches
+        output zero, so the drafter's first guesses are the backbone's own next token. From there it learns
+        the shift by one position far faster than from a random start."""
+        h = self.config.hidden_size
+        self.fc.weight.zero_()
+        self.fc.weight[:, :h].copy_(torch.eye(h))
+        for name, param in self.decoder.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                param.zero_()
+
+    def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        r"""
+        Args:
+            features: [B, T, H], the feature at each entry's position (the backbone's, or a predicted one).
+            token_embeds: [B, T, H], the embedding of the token after each position.
+            position_ids: [B, T]; attention_mask: a 4D boolean mask over cache + new entries (causal if None).
+            cache: a transformers cache of earlier entries; the new ones are appended to it.
+
+        Returns:
+            [B, T, H], the predicted feature at each entry's next position.
+        """
+        x = self.fc(torch.cat([features, token_embeds], dim=-1))
+        out = self.decoder(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
+                           cache=cache, use_cache=cache is not None)
+        return out.last_hidden_state
+
+
+def unrolled_mask(level: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    r"""
+    The attention of draft depth `level` (1-based) in training, over the keys of levels 1..level for one
+    sequence of `length` entries: [length, level * length] bool.
+
+    Level 1 is the backbone's own features, causal. Level j at position t stands for the (j-1)-th drafted entry
+    after a context that ends at t - j + 1: it sees level-1 keys up to t - j + 1 and, of each level i in
+    2..j, the one key at t - (j - i): its own draft path. This is exactly what it sees when drafting.
+    """
+    t = torch.arange(length, device=device)
+    blocks = [t[None, :] <= (t[:, None] - level + 1)]
+    blocks += [t[None, :] == (t[:, None] - (level - i)) for i in range(2, level + 1)]
+    return torch.cat(blocks, dim=1)

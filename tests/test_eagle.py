@@ -1,0 +1,106 @@
+"""The EAGLE-style drafter on the real backbone: its training unroll sees what its drafting sees, its own KV
+cache stays in step with the context, and decoding with it is exactly HF greedy."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from medusa_heads import MedusaError, MedusaModel
+from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward
+from medusa_heads.inference.drafters import DecodeState, MedusaDrafter, make_drafter
+from medusa_heads.inference.eagle import EagleDrafter
+from medusa_heads.inference.generate import prefill
+from medusa_heads.inference.cache import new_cache
+from medusa_heads.model import untrained_heads
+from medusa_heads.training.recipe import TrainConfig
+from medusa_heads.training.trainer import eagle_forward
+from medusa_heads.tree import build_tree, load_tree
+
+from oracle import assert_exact, decode
+
+
+@pytest.fixture(scope="module")
+def eagle_model(backbone):
+    """A random EAGLE drafter (weights large enough that its guesses depend on features, tokens and context)."""
+    torch.manual_seed(0)
+    heads = untrained_heads(backbone, EMBEDDED_MODEL, head_type="eagle", draft_vocab=torch.randperm(49152)[:4096])
+    for p in heads.parameters():
+        p.data.normal_(std=0.05)
+    return MedusaModel(backbone, heads)
+
+
+def test_training_unroll_predicts_what_drafting_drafts(eagle_model, tokenizer, references):
+    """Level j of the training unroll at the root's position + j - 2 scores the token drafted at depth j."""
+    chain = build_tree([(0,) * d for d in range(1, 5)])
+    cfg = TrainConfig(num_heads=4, head_type="eagle")
+    for ids, _ in references[:2]:
+        logits, hidden = prefill(eagle_model, ids, new_cache(eagle_model.backbone))
+        root = int(logits.argmax())
+        drafted = EagleDrafter(eagle_model, chain).fill(DecodeState(ids[0].tolist() + [root], root, hidden[-1], hidden),
+                                                        chain)[1:]
+        sequence = torch.cat([ids[0], torch.tensor([root]), drafted])[None]
+        n = ids.shape[1]
+        # Real features up to the root; the levels scored below never read the later ones.
+        features = torch.cat([hidden, torch.zeros(sequence.shape[1] - n, hidden.shape[1])])[None]
+        mask = torch.zeros_like(sequence)
+        mask[0, n + 1:] = 1  # the drafted tokens are the labels: one scored position per level
+        with torch.no_grad():
+            level_logits, _, _ = eagle_forward(eagle_model.heads, eagle_model.projection,
+                                               eagle_model.backbone.get_input_embeddings(), features, sequence,
+                                               mask, cfg)
+        unrolled = [int(eagle_model.heads.token_ids(lg[j].argmax())) for j, lg in enumerate(level_logits)]
+        assert unrolled == drafted.tolist()
+
+
+class Recorder:
+    """Wraps a drafter, keeping each step's state and proposal."""
+
+    def __init__(self, drafter):
+        self.drafter, self.tree, self.steps = drafter, drafter.tree, []
+
+    def propose(self, state):
+        draft = self.drafter.propose(state)
+        self.steps.append((replace(state, token_ids=list(state.token_ids)), draft.tokens.clone()))  # a snapshot:
+        # the decoding loop extends its token list in place
+        return draft
+
+
+def test_drafter_cache_stays_in_step_with_the_context(eagle_model, references):
+    """After many steps, the incremental cache drafts what a fresh drafter given the whole context drafts."""
+    tree = build_tree(load_tree("cpu-16"))
+    ids, _ = references[1]
+    recorder = Recorder(EagleDrafter(eagle_model, tree))
+    decode(eagle_model, ids, recorder, max_new_tokens=40)
+    state, tokens = recorder.steps[-1]
+    assert len(recorder.steps) > 10 and state.fresh_hidden.shape[0] < len(state.token_ids) - 1
+    with torch.no_grad():
+        _, hidden = backbone_forward(eagle_model.backbone, torch.tensor([state.token_ids[:-1]]), None)
+    fresh = DecodeState(state.token_ids, state.root, hidden[0, -1], hidden[0])
+    assert EagleDrafter(eagle_model, tree).fill(fresh, tree).tolist() == tokens.tolist()
+
+
+@pytest.mark.parametrize("ngram", [False, True])
+def test_decoding_with_the_eagle_drafter_is_exact(eagle_model, backbone, references, ngram):
+    drafter = make_drafter(eagle_model, "cpu-16", ngram=ngram)
+    stats = assert_exact(eagle_model, backbone, references[:2], drafter, new_tokens=64)
+    assert all(s.steps > 0 for s in stats)
+
+
+def test_eagle_drafter_errors(eagle_model, model):
+    tree = build_tree(load_tree("cpu-16"))
+    with pytest.raises(MedusaError, match="Medusa or Hydra heads"):
+        MedusaDrafter(eagle_model, tree)
+    with pytest.raises(MedusaError, match="Medusa or Hydra heads"):
+        make_drafter(eagle_model, "cpu-16", name="dynamic")
+    with pytest.raises(MedusaError, match="needs an EAGLE drafter"):
+        EagleDrafter(model, tree)
+    with pytest.raises(MedusaError, match="deep"):
+        EagleDrafter(eagle_model, build_tree([(0,) * d for d in range(1, 6)]))
+    drafter = EagleDrafter(eagle_model, tree)
+    hidden = torch.zeros(3, eagle_model.config.hidden_size)
+    drafter.propose(DecodeState([1, 2, 3, 4], 4, hidden[-1], hidden))
+    with pytest.raises(MedusaError, match="out of step"):  # positions 5.. are new, but it has only 3
+        drafter.propose(DecodeState([1, 2, 3, 4, 5, 6, 7], 7, hidden[-1], hidden[:1]))
+    with pytest.raises(MedusaError, match="fresh_hidden"):
+        drafter.propose(DecodeState([1, 2, 3, 4], 4, hidden[-1]))
