@@ -152,6 +152,7 @@ def measure_profile(model: MedusaModel, sizes: Sequence[int] = DEFAULT_SIZES,
                     contexts: Sequence[int] = DEFAULT_CONTEXTS, repeats: int = 10, warmup: int = 2,
                     seed: int = 0) -> LatencyProfile:
     """Median step time per tree size and context length (see the module's docstring)."""
+    model.require_heads("Profiling")  # an EAGLE drafter's step cost depends on its cache: not modelled here
     sizes, contexts = sorted(set(sizes)), sorted(set(contexts))
     if repeats < 1 or not sizes or sizes[0] != 1 or not contexts or contexts[0] < 1:
         raise MedusaError("A profile needs sizes starting at 1 node, positive context lengths and repeats >= 1.")

@@ -111,7 +111,8 @@ def _add_tree_commands(sub) -> None:
     opt.add_argument("--rows", help="START:END, the jsonl rows to calibrate on (default: all)")
     opt.add_argument("--top-k", type=int, default=10, help="ranks per head to calibrate")
     opt.add_argument("--max-nodes", type=int, default=64, help="largest tree to consider, the root included")
-    opt.add_argument("--budget", type=int, help="fit a tree of exactly this many nodes (the root included) instead of choosing")
+    opt.add_argument("--budget", type=int,
+                     help="fit a tree of exactly this many nodes (the root included) instead of choosing")
     opt.add_argument("--profile", type=Path,
                      help="latency profile JSON (default: this device's cached one, measured when missing)")
     opt.add_argument("--out", type=Path, required=True, help="tree JSON to write (usable as --tree)")
@@ -123,7 +124,7 @@ def _add_tree_commands(sub) -> None:
 def _bench(args) -> None:
     import torch
 
-    from medusa_heads.backbone import EMBEDDED_MODEL, load_backbone, load_tokenizer
+    from medusa_heads.backbone import load_backbone
     from medusa_heads.bench import bench, markdown, read_bench_prompts, write_report
     from medusa_heads.model import MedusaModel
 
@@ -132,11 +133,11 @@ def _bench(args) -> None:
         raise MedusaError("`--alt-heads` takes LABEL=PATH.")
     alt_heads = dict(pair.split("=", 1) for pair in args.alt_heads)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
-    tokenizer = load_tokenizer(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL)
+    tokenizer = _tokenizer(args, model)
     fp32 = None
     if model.backbone.dtype != torch.float32 and not args.no_fp32_reference:
-        fp32 = load_backbone(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL,
-                             dtype=torch.float32, device=args.device)
+        fp32 = load_backbone(_backbone_name(args, model), gguf_file=_gguf_file(args, model), dtype=torch.float32,
+                             device=args.device)
     result = bench(model, tokenizer, prompts, args.methods.split(","), args.max_new_tokens, args.repeats, fp32,
                    alt_heads)
     write_report(result, args.out)
@@ -145,8 +146,24 @@ def _bench(args) -> None:
           "speedup_vs_tree_size.png")
 
 
+def _backbone_name(args, model) -> str:
+    """The backbone the command runs: `--model`, else the one the heads name, else the embedded default."""
+    from medusa_heads.backbone import EMBEDDED_MODEL
+
+    return args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL
+
+
+def _gguf_file(args, model) -> str | None:
+    return None if args.model else model.config.base_model_gguf_file
+
+
+def _tokenizer(args, model):
+    from medusa_heads.backbone import load_tokenizer
+
+    return load_tokenizer(_backbone_name(args, model), gguf_file=_gguf_file(args, model))
+
+
 def _generate(args) -> None:
-    from medusa_heads.backbone import EMBEDDED_MODEL, load_tokenizer
     from medusa_heads.inference import generate, make_acceptance, make_drafter, stream
     from medusa_heads.inference.generate import GenerationStats
     from medusa_heads.model import MedusaModel
@@ -161,8 +178,7 @@ def _generate(args) -> None:
         raise MedusaError(f"`--budget` takes a node count >= 0 for --drafter dynamic or adaptive, got {args.budget} "
                           f"with --drafter {args.drafter}.")
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
-    tokenizer = load_tokenizer(args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL,
-                               gguf_file=None if args.model else model.config.base_model_gguf_file)
+    tokenizer = _tokenizer(args, model)
     drafter = make_drafter(model, args.tree, name=args.drafter, draft_model=args.draft_model,
                            draft_length=args.draft_length, exit_layer=args.exit_layer, budget=args.budget)
     if args.json:
@@ -237,7 +253,6 @@ def _profile(args) -> None:
 
 
 def _tree(args) -> None:
-    from medusa_heads.backbone import EMBEDDED_MODEL, load_tokenizer
     from medusa_heads.inference.calibrate import calibrate, load_calibration, parse_rows, read_rows, to_conversations
     from medusa_heads.inference.profile import cached_profile, load_profile
     from medusa_heads.model import MedusaModel
@@ -258,8 +273,8 @@ def _tree(args) -> None:
     if from_data or profile is None:
         model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     if from_data:
-        name = args.model or model.config.base_model_name_or_path or EMBEDDED_MODEL
-        tokenizer = load_tokenizer(name, gguf_file=None if args.model else model.config.base_model_gguf_file)
+        name = _backbone_name(args, model)
+        tokenizer = _tokenizer(args, model)
         calibration = calibrate(model, to_conversations(rows, tokenizer), args.top_k, meta={
             "data": str(args.calibration), "rows": args.rows or ":", "model": name,
             "heads": args.heads or "shipped", "dtype": str(model.backbone.dtype).removeprefix("torch.")})
@@ -273,7 +288,8 @@ def _tree(args) -> None:
     for n in [n for n in profile.sizes if n <= len(fitted.cost)]:
         e, c = fitted.expected[n - 1], fitted.cost[n - 1]
         print(f"{n:3d} nodes: expected accepted length {e:.3f}, cost {c:.2f}x, predicted speed-up {e / c:.3f}x")
-    print(f"{'given' if args.budget else 'chosen'} budget: {fitted.budget} nodes (root included), expected accepted length "
+    print(f"{'given' if args.budget else 'chosen'} budget: {fitted.budget} nodes (root included), "
+          f"expected accepted length "
           f"{fitted.expected_accepted_length:.3f}, predicted speed-up {fitted.predicted_speedup:.3f}x over plain "
           f"decoding; wrote {args.out}")
     if fitted.predicted_speedup < 1:
@@ -294,7 +310,8 @@ def main(argv: list[str] | None = None) -> int:
             transformers.logging.disable_progress_bar()
         if args.threads:
             torch.set_num_threads(args.threads)
-        {"generate": _generate, "distill": _distill, "bench": _bench, "profile": _profile, "tree": _tree}[args.command](args)
+        commands = {"generate": _generate, "distill": _distill, "bench": _bench, "profile": _profile, "tree": _tree}
+        commands[args.command](args)
     except (MedusaError, StrictDataclassError) as err:
         print(f"medusa-heads: error: {first_line(err)}", file=sys.stderr)
         return 2

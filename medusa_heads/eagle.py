@@ -16,11 +16,12 @@ from .heads import DraftVocabulary
 
 def decoder_config_for(backbone_config: PreTrainedConfig) -> dict:
     """The backbone's own text config with one layer and no vocabulary: the drafter reads features, not ids."""
-    text = backbone_config.get_text_config().to_dict()
+    text = backbone_config.get_text_config().to_diff_dict()  # what differs from the class defaults
+    for key in ("_name_or_path", "_model_name_or_path", "architectures", "transformers_version", "dtype",
+                "quantization_config", "layer_types", "unk_token_id"):  # layer_types is sized for the backbone
+        text.pop(key, None)
     text.update(num_hidden_layers=1, vocab_size=1, pad_token_id=None, bos_token_id=None, eos_token_id=None,
                 tie_word_embeddings=False)
-    text.pop("layer_types", None)  # per-layer lists sized for the backbone's depth
-    text.pop("quantization_config", None)
     return text
 
 

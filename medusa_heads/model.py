@@ -137,7 +137,8 @@ class MedusaModel(nn.Module):
     def require_heads(self, what: str) -> None:
         """Raise a one-line error when `what` needs heads that draft from the last hidden state alone."""
         if self.is_eagle:
-            raise MedusaError(f"{what} needs Medusa or Hydra heads; these are an EAGLE drafter: use a static tree.")
+            raise MedusaError(f"{what} needs Medusa or Hydra heads (`--heads`); these are an EAGLE drafter, which "
+                              "drafts static trees only.")
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

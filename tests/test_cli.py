@@ -1,17 +1,32 @@
-"""The CLI end to end, in subprocesses: bad input gives one clear line and a non-zero exit, never a traceback."""
+"""The CLI: end to end in a subprocess, and bad input (run in-process, the same `main`) gives one clear line
+and a non-zero exit, never a traceback."""
 
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
 from medusa_heads import MedusaConfig, MedusaHeads
+from medusa_heads.cli import main
 
 
 def run_cli(*args, timeout=600):
     cmd = [sys.executable, "-m", "medusa_heads.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def cli(capsys):
+    """`main(args)` in this process (no interpreter start-up per call): its exit code and stderr."""
+
+    def run(*args):
+        capsys.readouterr()
+        code = main(list(args))
+        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+
+    return run
 
 
 def assert_clean_error(result, *needles):
@@ -36,44 +51,44 @@ def test_generate_json_on_the_embedded_default(drafter):
     assert isinstance(out["text"], str) and out["text"]
 
 
-def test_missing_heads_folder(tmp_path):
-    assert_clean_error(run_cli("generate", "--prompt", "hi", "--heads", str(tmp_path / "nope")), "does not exist")
+def test_missing_heads_folder(cli, tmp_path):
+    assert_clean_error(cli("generate", "--prompt", "hi", "--heads", str(tmp_path / "nope")), "does not exist")
 
 
-def test_heads_for_another_vocabulary(tmp_path):
+def test_heads_for_another_vocabulary(cli, tmp_path):
     MedusaHeads(MedusaConfig(base_model_name_or_path="smollm2-135m-embedded", hidden_size=576,
                              vocab_size=32000)).save_pretrained(tmp_path)
-    assert_clean_error(run_cli("generate", "--prompt", "hi", "--heads", str(tmp_path)), "vocabulary 32000")
+    assert_clean_error(cli("generate", "--prompt", "hi", "--heads", str(tmp_path)), "vocabulary 32000")
 
 
-def test_corrupted_heads_checkpoint(tmp_path):
+def test_corrupted_heads_checkpoint(cli, tmp_path):
     MedusaHeads(MedusaConfig(base_model_name_or_path="smollm2-135m-embedded")).save_pretrained(tmp_path)
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 64)
-    assert_clean_error(run_cli("generate", "--prompt", "hi", "--heads", str(tmp_path)), "Cannot load Medusa heads")
+    assert_clean_error(cli("generate", "--prompt", "hi", "--heads", str(tmp_path)), "Cannot load Medusa heads")
 
 
 @pytest.mark.parametrize("content, needle", [("[[0], [1, 0, 0]]", "has no parent"), ("{[0]", "not valid JSON"),
                                             ("[[0], [0], [1]]", "appears twice")])
-def test_malformed_tree(tmp_path, content, needle):
+def test_malformed_tree(cli, tmp_path, content, needle):
     tree = tmp_path / "tree.json"
     tree.write_text(content)
-    assert_clean_error(run_cli("generate", "--prompt", "hi", "--tree", str(tree)), needle)
+    assert_clean_error(cli("generate", "--prompt", "hi", "--tree", str(tree)), needle)
 
 
-def test_tree_deeper_than_the_heads(tmp_path):
+def test_tree_deeper_than_the_heads(cli, tmp_path):
     tree = tmp_path / "deep.json"
     tree.write_text(json.dumps([[0] * d for d in range(1, 7)]))
-    assert_clean_error(run_cli("generate", "--prompt", "hi", "--tree", str(tree)), "6 deep")
+    assert_clean_error(cli("generate", "--prompt", "hi", "--tree", str(tree)), "6 deep")
 
 
-def test_prompt_longer_than_the_context():
-    assert_clean_error(run_cli("generate", "--prompt", "word " * 9000), "exceed the model's context of 8192")
+def test_prompt_longer_than_the_context(cli):
+    assert_clean_error(cli("generate", "--prompt", "word " * 9000), "exceed the model's context of 8192")
 
 
-def test_bad_options():
-    assert_clean_error(run_cli("generate", "--prompt", "hi", "--dtype", "float8"), "Unknown dtype")
-    assert_clean_error(run_cli("generate", "--prompt", "hi", "--max-new-tokens", "0"), "at least 1")
-    assert_clean_error(run_cli("generate", "--prompt", "hi", "--acceptance", "typical", "--temperature", "-1"),
+def test_bad_options(cli):
+    assert_clean_error(cli("generate", "--prompt", "hi", "--dtype", "float8"), "Unknown dtype")
+    assert_clean_error(cli("generate", "--prompt", "hi", "--max-new-tokens", "0"), "at least 1")
+    assert_clean_error(cli("generate", "--prompt", "hi", "--acceptance", "typical", "--temperature", "-1"),
                        "temperature")
-    assert_clean_error(run_cli("distill", "--prompts", "/no/such/file.jsonl", "--out", "/tmp/x.jsonl"),
+    assert_clean_error(cli("distill", "--prompts", "/no/such/file.jsonl", "--out", "/tmp/x.jsonl"),
                        "does not exist")

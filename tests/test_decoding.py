@@ -8,7 +8,7 @@ import torch
 
 from medusa_heads.inference import GreedyAcceptance, MedusaDrafter, TypicalAcceptance
 from medusa_heads.inference.cache import new_cache
-from medusa_heads.inference.drafters import Draft
+from medusa_heads.inference.drafters import Draft, heads_drafter
 from medusa_heads.inference.generate import GenerationStats, encode_prompt, prefill, tree_decode_step, verify
 from medusa_heads.inference.drafters import DecodeState
 from medusa_heads.tree import build_tree, load_tree
@@ -36,7 +36,7 @@ class OracleDrafter:
 
 
 def test_greedy_tree_decoding_equals_hf_generate(model, backbone, references):
-    assert_exact(model, backbone, references[:6], MedusaDrafter(model, build_tree(load_tree("cpu-8"))))
+    assert_exact(model, backbone, references[:6], heads_drafter(model, build_tree(load_tree("cpu-8"))))
 
 
 def test_greedy_with_the_shipped_medusa_heads_equals_hf_generate(medusa_model, backbone, references):
@@ -46,7 +46,7 @@ def test_greedy_with_the_shipped_medusa_heads_equals_hf_generate(medusa_model, b
 
 
 def test_greedy_with_the_63_node_tree(model, backbone, references):
-    drafter = MedusaDrafter(model, build_tree(load_tree("medusa-63")))
+    drafter = heads_drafter(model, build_tree(load_tree("medusa-63")))
     for ids, reference in references[:2]:
         ours = decode(model, ids, drafter, max_new_tokens=48)
         assert ours == reference[:48], explain_mismatch(backbone, ids, ours, reference)
@@ -73,7 +73,7 @@ def test_near_zero_temperature_typical_acceptance_is_greedy(model, backbone, ref
 
 
 def test_typical_acceptance_is_reproducible_with_a_seed(model, tokenizer, chat_prompts):
-    drafter = MedusaDrafter(model, build_tree(load_tree("cpu-8")))
+    drafter = heads_drafter(model, build_tree(load_tree("cpu-8")))
     ids = encode_prompt(tokenizer, chat_prompts[1])
     runs = [decode(model, ids, drafter, TypicalAcceptance(0.7, generator=torch.Generator().manual_seed(3)), 32)
             for _ in range(2)]

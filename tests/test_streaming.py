@@ -1,9 +1,10 @@
-from medusa_heads.inference import GenerationStats, MedusaDrafter, generate, stream
+from medusa_heads.inference import GenerationStats, generate, stream
+from medusa_heads.inference.drafters import heads_drafter
 from medusa_heads.tree import build_tree, load_tree
 
 
 def test_stream_pieces_add_up_to_the_generated_text(model, tokenizer, chat_prompts):
-    drafter = MedusaDrafter(model, build_tree(load_tree("cpu-8")))
+    drafter = heads_drafter(model, build_tree(load_tree("cpu-8")))
     whole = generate(model, tokenizer, chat_prompts[0], drafter, max_new_tokens=40)
     stats = GenerationStats()
     pieces = list(stream(model, tokenizer, chat_prompts[0], drafter, max_new_tokens=40, stats=stats))
@@ -13,7 +14,7 @@ def test_stream_pieces_add_up_to_the_generated_text(model, tokenizer, chat_promp
 
 
 def test_stop_string_ends_generation_at_the_token_that_completes_it(model, tokenizer, chat_prompts):
-    drafter = MedusaDrafter(model, build_tree(load_tree("cpu-8")))
+    drafter = heads_drafter(model, build_tree(load_tree("cpu-8")))
     full = generate(model, tokenizer, chat_prompts[0], drafter, max_new_tokens=60)
     words = full.text.split()
     stop = words[len(words) // 2]

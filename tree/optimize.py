@@ -130,7 +130,8 @@ def write_tree(fitted: FittedTree, out: Path, calibration: dict, profile: dict) 
     """A tree file for `--tree` (`paths`) with what it was fitted to and what it is predicted to do."""
     data = {
         "description": (f"Fitted by `medusa-heads tree optimize`: {fitted.budget} nodes, predicted "
-                        f"{fitted.expected_accepted_length:.2f} tokens per step at {fitted.cost[fitted.budget - 1]:.2f}x "
+                        f"{fitted.expected_accepted_length:.2f} tokens per step at "
+                        f"{fitted.cost[fitted.budget - 1]:.2f}x "
                         f"the time of one token on {profile.get('device', 'the profiled device')} "
                         f"({profile.get('dtype', '?')})."),
         "paths": [list(path) for path in fitted.paths],

@@ -24,7 +24,8 @@ def validate_tree(paths: Sequence[Sequence[int]], num_heads: int | None = None,
         raise MedusaError("A tree must be a non-empty list of paths such as [[0], [0, 0], [1]].")
     canonical = []
     for p in paths:
-        if not isinstance(p, (list, tuple)) or not p or not all(isinstance(r, int) and not isinstance(r, bool) for r in p):
+        ranks_ok = isinstance(p, (list, tuple)) and all(isinstance(r, int) and not isinstance(r, bool) for r in p)
+        if not p or not ranks_ok:
             raise MedusaError(f"Tree path {p!r} is not a non-empty list of integer ranks.")
         canonical.append(tuple(p))
     seen = set()
@@ -36,7 +37,8 @@ def validate_tree(paths: Sequence[Sequence[int]], num_heads: int | None = None,
         if min(p) < 0:
             raise MedusaError(f"Tree path {list(p)} has a negative rank.")
         if top_k is not None and max(p) >= top_k:
-            raise MedusaError(f"Tree path {list(p)} uses rank {max(p)}, but only the top {top_k} of each head are asked for.")
+            raise MedusaError(f"Tree path {list(p)} uses rank {max(p)}, but only the top {top_k} of each head are "
+                              "asked for.")
         if num_heads is not None and len(p) > num_heads:
             raise MedusaError(f"Tree path {list(p)} is {len(p)} deep, but there are only {num_heads} heads.")
         if len(p) > 1 and p[:-1] not in seen:
