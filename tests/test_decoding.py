@@ -164,7 +164,7 @@ def test_hydra_tree_is_filled_path_by_path(random_hydra_model, tokenizer):
     for node, path in enumerate(tree.paths, start=1):  # each node: its parent's guess of its rank, given the path
         ancestors = [tree.paths.index(path[:d]) + 1 for d in range(1, len(path))]
         path_tokens = torch.tensor([[42] + tokens[ancestors].tolist()])
-        guesses, _ = random_hydra_model.head_topk(hidden, path_tokens, path[-1] + 1)
+        guesses, _ = random_hydra_model.head_topk(hidden[-1], path_tokens, path[-1] + 1)
         assert int(tokens[node]) == int(guesses[0, path[-1]])
 
 

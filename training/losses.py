@@ -45,7 +45,8 @@ def head_weights(num_heads: int, decay: float) -> list[float]:
 
 
 @torch.no_grad()
-def tree_walk(logits: list[torch.Tensor], labels: list[torch.Tensor], paths: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_walk(logits: list[torch.Tensor], labels: list[torch.Tensor],
+              paths: tuple) -> tuple[torch.Tensor, torch.Tensor]:
     r"""
     Greedy verification of a static tree replayed on the true path. Per head j (depth j + 1): logits [N, V] and
     labels [N] (-1 or -100: no right guess). Returns (tried [K, N], accepted [K, N]) bool: whether the tree

@@ -296,7 +296,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     # Each process takes its own micro-batches: rank r gets every world-size-th batch of the shared order.
     world, rank = accelerator.num_processes, accelerator.process_index
     per_epoch = max(len(batch_order(len(train_set), cfg.batch_size, 0, cfg.seed)) // world, 1)
-    history = []
+    history, acc = [], None
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
     tokens, t0 = 0, time.perf_counter()
     while step < cfg.max_steps:
@@ -356,7 +356,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
             accelerator.unwrap_model(backbone).save_pretrained(final / "adapter")  # the adapter weights only
         raw_heads.save_pretrained(final, state_dict=state_dict)
         if held_out:
-            result["accuracies"] = evaluate()
+            result["accuracies"] = acc if acc is not None else evaluate()  # the last step's, when it ran
             (final / "head_accuracies.json").write_text(json.dumps(result["accuracies"], indent=1))
         (output_dir / "history.json").write_text(json.dumps(history))
         logger.info("saved heads to %s", final)
