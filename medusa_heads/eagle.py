@@ -54,6 +54,7 @@ class EagleHead(DraftVocabulary, PreTrainedModel):
         self.post_init()
 
     is_hydra = False
+    lm_heads = None  # it always scores with the backbone's LM head (`share_lm_head`)
 
     @torch.no_grad()
     def init_as_identity(self) -> None:

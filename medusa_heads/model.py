@@ -118,8 +118,7 @@ class MedusaModel(nn.Module):
         self.backbone = backbone
         self.heads = heads
         # Shared heads project with the backbone's LM head, or a copy of its draft-vocabulary rows.
-        shared = getattr(heads, "lm_heads", None) is None
-        self.projection = heads.output_projection(backbone.get_output_embeddings()) if shared else None
+        self.projection = heads.output_projection(backbone.get_output_embeddings()) if heads.lm_heads is None else None
 
     @property
     def config(self) -> MedusaConfig:

@@ -3,6 +3,8 @@
 import torch
 import torch.nn.functional as F
 
+from medusa_heads.tree import build_tree
+
 
 def head_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids, loss_mask: [B, T] -> labels [K, B, T] (-100 where not trained) and teacher positions [K, B, T].
@@ -54,15 +56,11 @@ def tree_walk(logits: list[torch.Tensor], labels: list[torch.Tensor],
     whether the head's guess there was right and within the node's children. The step's accepted length is
     1 + accepted.sum(0).
     """
-    index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
-    top_k = 1 + max(p[-1] for p in paths)
-    off = len(index)  # a node id for "off the tree": no children
     device = logits[0].device
-    child = torch.full((off + 1, top_k), off, dtype=torch.long)
-    for path, node in index.items():
-        if path:
-            child[index[path[:-1]], path[-1]] = node
-    child = child.to(device)
+    tree = build_tree(paths, device)
+    top_k, off = tree.top_k, tree.size  # `off`: a node id for "off the tree", without children
+    child = torch.full((off + 1, top_k), off, dtype=torch.long, device=device)  # [parent, rank] -> node
+    child[tree.parent[1:], tree.rank[1:]] = torch.arange(1, off, device=device)
     node = torch.zeros(labels[0].shape[0], dtype=torch.long, device=device)
     tried, accepted = [], []
     for lg, lb in zip(logits, labels):
