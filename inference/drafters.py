@@ -10,6 +10,8 @@ from medusa_heads.errors import MedusaError
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
 
+from .ngram_store import STORE_FILE, NgramStore, find_store
+
 
 @dataclass
 class DecodeState:
@@ -130,11 +132,13 @@ class MedusaNgramDrafter:
     r"""
     The Medusa tree plus one extra branch from the root: a chain of n-gram (prompt lookup) candidates.
 
-    Both are verified in the same forward; when the sequence so far has no matching n-gram, the plain Medusa
-    tree is used that step. Greedy output stays exact: acceptance does not care where candidates come from.
+    Both are verified in the same forward; when the sequence so far has no matching n-gram, the chain comes from
+    `store` (the backbone's frequent continuations in its training answers) if given, else the plain Medusa tree
+    is used that step. Greedy output stays exact: acceptance does not care where candidates come from.
     """
 
-    def __init__(self, model: MedusaModel, paths, ngram_length: int = 6, max_ngram: int = 4, min_ngram: int = 2):
+    def __init__(self, model: MedusaModel, paths, ngram_length: int = 6, max_ngram: int = 4, min_ngram: int = 2,
+                 store: NgramStore | None = None):
         from medusa_heads.tree import build_tree, validate_tree
 
         paths = validate_tree(paths, num_heads=model.config.num_heads)
@@ -146,10 +150,13 @@ class MedusaNgramDrafter:
                                      device=model.device)
         self.chain_nodes = torch.nonzero(self.is_chain).flatten()  # in depth order
         self.ngram_length, self.max_ngram, self.min_ngram = ngram_length, max_ngram, min_ngram
+        self.store = store
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Draft:
         follow = ngram_lookup(state.token_ids, self.ngram_length, self.max_ngram, self.min_ngram)
+        if not follow and self.store is not None:
+            follow = self.store.continuation(state.token_ids, self.ngram_length)
         if not follow:
             return self.medusa.propose(state)
         tree = self.tree
@@ -174,7 +181,7 @@ def heads_drafter(model: MedusaModel, tree: TreeBuffers) -> Drafter:
 def make_drafter(model: MedusaModel, tree_name_or_file: str, ngram: bool = False, name: str | None = None,
                  budget: int | None = None, **options) -> Drafter:
     """The CLI's drafters by name: the Medusa tree, optionally with an n-gram branch (`ngram` or
-    `name="medusa+ngram"`); `dynamic` and `adaptive` grow their tree each step within `budget` nodes
+    `name="medusa+ngram"`; `"medusa+ngram+store"` falls back to the heads' `NgramStore`); `dynamic` and `adaptive` grow their tree each step within `budget` nodes
     (`dynamic.py`); other names (ngram, draft-model, early-exit) are `draft_model.py`'s, given `options`."""
     from medusa_heads.tree import build_tree, load_tree
 
@@ -182,10 +189,26 @@ def make_drafter(model: MedusaModel, tree_name_or_file: str, ngram: bool = False
         from .dynamic import make_dynamic_drafter
 
         return make_dynamic_drafter(model, name, budget)
-    if name not in (None, "medusa", "medusa+ngram"):
+    if name not in (None, "medusa", "medusa+ngram", "medusa+ngram+store"):
         from .draft_model import make_headless_drafter
 
         return make_headless_drafter(model, name, **options)
-    ngram = ngram or name == "medusa+ngram"
     paths = load_tree(tree_name_or_file)
-    return MedusaNgramDrafter(model, paths) if ngram else heads_drafter(model, build_tree(paths, model.device))
+    if name == "medusa+ngram+store":
+        return MedusaNgramDrafter(model, paths, store=heads_store(model))
+    if ngram or name == "medusa+ngram":
+        return MedusaNgramDrafter(model, paths)
+    return heads_drafter(model, build_tree(paths, model.device))
+
+
+def heads_store(model: MedusaModel) -> NgramStore:
+    """The n-gram store saved with the model's heads; a one-line error when they have none."""
+    heads_path = model.heads.name_or_path
+    store = find_store(str(heads_path))
+    if store is None:
+        raise MedusaError(f"The heads `{heads_path or '(in memory)'}` have no {STORE_FILE}: build one with "
+                          "`medusa-heads ngram-store DATA --heads FOLDER`.")
+    if store.vocab_size != model.config.vocab_size:
+        raise MedusaError(f"The n-gram store of `{heads_path}` is for a vocabulary of {store.vocab_size} tokens, "
+                          f"the heads have {model.config.vocab_size}.")
+    return store

@@ -104,8 +104,9 @@ def drafter_method(name: str, tree: str = "", draft_model: str | None = None, dr
     return run
 
 
-def medusa_method(tree_name: str, ngram: bool = False, sampling: tuple[str, float] | None = None):
-    return drafter_method("medusa+ngram" if ngram else "medusa", tree_name, sampling=sampling)
+def medusa_method(tree_name: str, drafter: str = "medusa", sampling: tuple[str, float] | None = None):
+    """The heads' tree: `drafter` is medusa, medusa+ngram or medusa+ngram+store."""
+    return drafter_method(drafter, tree_name, sampling=sampling)
 
 
 def sampled(method: str) -> bool:
@@ -154,10 +155,10 @@ def _make_method(name: str, drafts: DraftModels):
         return hf_sample_method(_temperature(name.split("@", 1)[1], name))
     elif name.startswith("hf-lookup"):
         return hf_method(int(name.split(":")[1]) if ":" in name else 10)
-    elif name.startswith(("medusa:", "medusa+ngram:")):
-        tree, sampling = _with_sampling(name.split(":", 1)[1], name)
+    elif kind in ("medusa", "medusa+ngram", "medusa+ngram+store"):
+        tree, sampling = _with_sampling(spec, name)
         load_tree(tree)  # fail now on a bad tree, not after the warm-up
-        return medusa_method(tree, ngram=name.startswith("medusa+ngram"), sampling=sampling)
+        return medusa_method(tree, kind, sampling=sampling)
     elif kind == "ngram":
         return drafter_method("ngram", **({"draft_length": _int(spec, name)} if spec else {}))
     elif kind in ("draft-model", "hf-assisted") and not spec:
@@ -176,7 +177,7 @@ def _make_method(name: str, drafts: DraftModels):
         return drafter_method("early-exit", exit_layer=_int(layers, name), **length)
     else:
         raise MedusaError(f"Unknown method `{name}`; use hf, hf-sample@T, hf-lookup[:N], hf-assisted:PATH, "
-                          "medusa:TREE[:exact@T|:typical@T], medusa+ngram:TREE[:...], ngram[:N], "
+                          "medusa:TREE[:exact@T|:typical@T], medusa+ngram[+store]:TREE[:...], ngram[:N], "
                           "draft-model:PATH[:N], early-exit:LAYERS[:N], dynamic[:N] or adaptive[:N].")
 
 

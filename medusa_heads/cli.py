@@ -28,10 +28,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--model", help="backbone hub id or folder (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--heads", help="heads folder or hub id (default: the heads shipped for the model)")
     g.add_argument("--tree", default="cpu-8", help="a shipped tree name or a JSON file")
-    g.add_argument("--drafter", choices=["medusa", "medusa+ngram", "ngram", "draft-model", "early-exit", "dynamic",
-                                         "adaptive"],
+    g.add_argument("--drafter", choices=["medusa", "medusa+ngram", "medusa+ngram+store", "ngram", "draft-model",
+                                         "early-exit", "dynamic", "adaptive"],
                    default="medusa", help="medusa+ngram adds a prompt-lookup chain to the tree, verified in the same "
-                   "forward; ngram, draft-model and early-exit draft a chain without the heads")
+                   "forward; medusa+ngram+store drafts that chain from the heads' n-gram store when the context has "
+                   "no match; ngram, draft-model and early-exit draft a chain without the heads")
     g.add_argument("--draft-model", help="draft-model: a small LM with the backbone's tokenizer (hub id or folder)")
     g.add_argument("--draft-length", type=int, help="ngram, draft-model, early-exit: tokens per chain (default: 6 "
                    "for ngram, 4 for the others)")
@@ -67,6 +68,15 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--seed", type=int, default=0)
     _add_runtime_args(d)
     d.set_defaults(dtype="bfloat16")
+    ns = sub.add_parser("ngram-store", help="count the backbone's frequent continuations in answers, for the "
+                        "medusa+ngram+store drafter; saved into the heads folder")
+    ns.add_argument("data", help="the backbone's own answers (a `distill` jsonl) or other training data: a "
+                    "jsonl/json/parquet file or folder, or a hub dataset; assistant turns are counted")
+    ns.add_argument("--heads", type=Path, required=True, help="heads folder to write ngram_store.safetensors into")
+    ns.add_argument("--model", help="backbone whose tokenizer to use (default: the one the heads name)")
+    ns.add_argument("--max-n", type=int, default=4, help="longest context, in tokens")
+    ns.add_argument("--min-count", type=int, default=2, help="keep a context seen at least this often")
+    ns.add_argument("--max-length", type=int, default=4096, help="truncate conversations to this many tokens")
     b = sub.add_parser("bench", help="speed and acceptance of several methods side by side")
     b.add_argument("--prompts", type=Path, required=True, help="jsonl with `prompt` (and `category`) per line")
     b.add_argument("--methods", default="hf,hf-lookup,medusa:cpu-16,medusa+ngram:cpu-16",
@@ -225,6 +235,24 @@ def _distill(args) -> None:
             device=args.device, limit=args.limit, seed=args.seed)
 
 
+def _ngram_store(args) -> None:
+    from medusa_heads.inference.ngram_store import NgramStore
+    from medusa_heads.model import load_heads
+    from medusa_heads.training.data import assistant_spans, load_examples
+
+    if not args.heads.is_dir():
+        raise MedusaError(f"`--heads {args.heads}` is not a folder of heads.")
+    if args.max_n < 1 or args.min_count < 1:
+        raise MedusaError("`--max-n` and `--min-count` must be at least 1.")
+    heads = load_heads(args.heads)
+    examples = load_examples(args.data, _tokenizer(args, heads), args.max_length)
+    answers = [span for ex in examples for span in assistant_spans(ex)]
+    store = NgramStore.build(answers, heads.config.vocab_size, args.max_n, args.min_count)
+    path = store.save(args.heads)
+    print(f"{len(store)} contexts of up to {max(store.tables, default=0)} tokens from "
+          f"{sum(map(len, answers))} answer tokens in {len(answers)} turns; wrote {path}")
+
+
 def _check_tree_args(args) -> None:
     if args.max_nodes < 2:
         raise MedusaError(f"`--max-nodes` must be at least 2 (the root and one draft), got {args.max_nodes}.")
@@ -308,9 +336,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.verbose:
             transformers.logging.set_verbosity_error()
             transformers.logging.disable_progress_bar()
-        if args.threads:
+        if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
-        commands = {"generate": _generate, "distill": _distill, "bench": _bench, "profile": _profile, "tree": _tree}
+        commands = {"generate": _generate, "distill": _distill, "bench": _bench, "profile": _profile, "tree": _tree,
+                    "ngram-store": _ngram_store}
         commands[args.command](args)
     except (MedusaError, StrictDataclassError) as err:
         print(f"medusa-heads: error: {first_line(err)}", file=sys.stderr)

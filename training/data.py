@@ -84,6 +84,18 @@ def tokenize_row(row: dict, tokenizer) -> Example:
     return Example(ids, mask)
 
 
+def assistant_spans(example: Example) -> list[list[int]]:
+    """The example's assistant turns: each maximal run of tokens with loss_mask 1."""
+    spans, current = [], []
+    for token, keep in zip(example.input_ids, example.loss_mask):
+        if keep:
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    return spans + ([current] if current else [])
+
+
 def load_examples(source: str, tokenizer, max_length: int) -> list[Example]:
     rows = load_rows(source)
     examples, truncated = [], 0
