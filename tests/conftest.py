@@ -1,11 +1,13 @@
 import json
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import EMBEDDED_MODEL, MedusaModel, load_backbone, load_tokenizer
+from medusa_heads.cli import main
 from medusa_heads.inference.generate import encode_prompt
 from medusa_heads.model import SHIPPED_HEADS, load_heads, shipped_heads, untrained_heads
 
@@ -28,6 +30,18 @@ CHAT_PROMPTS = [
     "Summarize the plot of a heist movie in one paragraph.",
     "Why do cats purr?",
 ]
+
+
+@pytest.fixture
+def cli(capsys):
+    """`main(args)` in this process (no interpreter start-up per call): its exit code and stderr."""
+
+    def run(*args):
+        capsys.readouterr()
+        code = main(list(args))
+        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+
+    return run
 
 
 @pytest.fixture(scope="session")

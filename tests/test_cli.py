@@ -4,29 +4,15 @@ and a non-zero exit, never a traceback."""
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 from medusa_heads import MedusaConfig, MedusaHeads
-from medusa_heads.cli import main
 
 
 def run_cli(*args, timeout=600):
     cmd = [sys.executable, "-m", "medusa_heads.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-
-
-@pytest.fixture
-def cli(capsys):
-    """`main(args)` in this process (no interpreter start-up per call): its exit code and stderr."""
-
-    def run(*args):
-        capsys.readouterr()
-        code = main(list(args))
-        return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
-
-    return run
 
 
 def assert_clean_error(result, *needles):

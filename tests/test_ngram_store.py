@@ -16,7 +16,7 @@ from medusa_heads.tree import load_tree
 
 from conftest import MEDUSA_HEADS  # noqa: E402  (pytest puts tests/ on sys.path)
 from oracle import assert_exact  # noqa: E402
-from test_cli import assert_clean_error, cli  # noqa: E402, F401  (cli: a fixture)
+from test_cli import assert_clean_error  # noqa: E402
 
 NEW_TOKENS = 64
 
@@ -90,14 +90,14 @@ class CountingStore:
 def test_the_shipped_store_drafts_and_greedy_output_stays_exact(model, backbone, references):
     store = CountingStore(heads_store(model))
     drafter = MedusaNgramDrafter(model, load_tree("cpu-16"), store=store)
-    assert_exact(model, backbone, references[:3], drafter, NEW_TOKENS)
+    assert_exact(model, backbone, references[:2], drafter, NEW_TOKENS)
     assert store.used > 0  # the store's chains were verified, not only the context's
 
 
 def test_a_store_of_the_answers_themselves_is_accepted(model, backbone, references):
     """Chains placed one position off would be rejected: a store built from the very continuation must raise
     the accepted length above the drafter without it."""
-    refs = references[:2]
+    refs = references[:1]
     oracle = NgramStore.build([ids[0].tolist() + ref for ids, ref in refs], model.config.vocab_size, max_n=4,
                               min_count=1)
     plain = assert_exact(model, backbone, refs, MedusaNgramDrafter(model, load_tree("cpu-8")), NEW_TOKENS)

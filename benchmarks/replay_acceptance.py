@@ -1,0 +1,94 @@
+"""Tokens per forward of a drafter, replayed offline on the backbone's known greedy outputs (no verification).
+
+    python benchmarks/replay_acceptance.py --prompts ../shared/bench/prompts.jsonl --outputs runs/bench_greedy.jsonl \
+        --drafter medusa+ngram+store --tree cpu-16 [--heads PATH]
+
+Greedy verification accepts the longest tree path that spells the backbone's own continuation, so with that
+continuation known (generated once with HF greedy, cached in `--outputs`) a step needs only the drafter: one
+backbone forward over each whole sequence gives every hidden state the loop would hand it. Accepted lengths
+match tree decoding up to the rounding differences between a full forward and the incremental ones (bf16);
+use it to compare drafters and trees in seconds, then confirm with `medusa-heads bench`.
+"""
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from medusa_heads import MedusaModel
+from medusa_heads.backbone import backbone_forward, load_tokenizer
+from medusa_heads.bench import read_bench_prompts
+from medusa_heads.inference import make_drafter
+from medusa_heads.inference.drafters import DecodeState
+from medusa_heads.inference.generate import encode_prompt
+
+
+def greedy_outputs(model, prompts: list[dict], path: Path, max_new_tokens: int) -> list[dict]:
+    """HF greedy token ids per prompt, generated once and cached in `path` (jsonl)."""
+    done = {}
+    if path.exists():
+        done = {row["id"]: row for row in map(json.loads, path.read_text().splitlines())}
+    tokenizer = load_tokenizer(model.config.base_model_name_or_path, model.config.base_model_gguf_file)
+    with path.open("a") as out:
+        for p in tqdm([p for p in prompts if p["id"] not in done], desc="greedy outputs", unit="prompt"):
+            ids = encode_prompt(tokenizer, p["prompt"]).to(model.device)
+            new = model.backbone.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                          max_new_tokens=max_new_tokens)[0, ids.shape[1]:]
+            done[p["id"]] = {"id": p["id"], "prompt_ids": ids[0].tolist(), "output_ids": new.tolist()}
+            out.write(json.dumps(done[p["id"]]) + "\n")
+    return [{**done[p["id"]], "category": p["category"]} for p in prompts]
+
+
+@torch.no_grad()
+def replay(model, drafter, prompt_ids: list[int], output_ids: list[int]) -> int:
+    """Steps the drafter needs to commit `output_ids` after `prompt_ids` under greedy verification."""
+    ids = prompt_ids + output_ids
+    _, hidden = backbone_forward(model.backbone, torch.tensor([ids], device=model.device), None)
+    hidden = hidden[0]
+    t, steps = len(prompt_ids) - 1, 0  # hidden[t] predicted the root ids[t + 1]
+    fresh = hidden[: t + 1]
+    while t + 2 < len(ids):
+        draft = drafter.propose(DecodeState(ids[: t + 2], ids[t + 1], hidden[t], fresh_hidden=fresh))
+        tokens, depth, parent = draft.tokens.tolist(), draft.tree.depth.tolist(), draft.tree.parent.tolist()
+        accepted, deepest = [True] + [False] * (len(tokens) - 1), 0
+        for node in range(1, len(tokens)):  # parents come before their children
+            position = t + 1 + depth[node]
+            if accepted[parent[node]] and position < len(ids) and tokens[node] == ids[position]:
+                accepted[node], deepest = True, max(deepest, depth[node])
+        fresh = hidden[t + 1 : t + 2 + deepest]
+        t += deepest + 1
+        steps += 1
+    return steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=Path, required=True)
+    parser.add_argument("--outputs", type=Path, required=True, help="jsonl cache of the greedy outputs")
+    parser.add_argument("--heads", help="heads folder (default: the shipped ones)")
+    parser.add_argument("--drafter", default="medusa+ngram+store")
+    parser.add_argument("--tree", default="cpu-16")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = MedusaModel.from_pretrained(args.heads, dtype=args.dtype)
+    rows = greedy_outputs(model, read_bench_prompts(args.prompts), args.outputs, args.max_new_tokens)
+    drafter = make_drafter(model, args.tree, name=args.drafter)
+    tokens, steps = defaultdict(int), defaultdict(int)
+    for row in tqdm(rows, desc="replay", unit="prompt"):
+        # the first new token comes from the prefill; each step commits its accepted path and one more token
+        tokens[row["category"]] += len(row["output_ids"]) - 1
+        steps[row["category"]] += replay(model, drafter, row["prompt_ids"], row["output_ids"])
+    total = sum(tokens.values()) / sum(steps.values())
+    print(f"{args.drafter}:{args.tree} ({args.heads or 'shipped heads'}): {total:.3f} tokens per forward; "
+          + ", ".join(f"{c} {tokens[c] / steps[c]:.2f}" for c in tokens))
+
+
+if __name__ == "__main__":
+    main()
