@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--heads", help="heads folder (default: the shipped ones)")
     parser.add_argument("--drafter", default="medusa+ngram+store")
     parser.add_argument("--tree", default="cpu-16")
+    parser.add_argument("--draft-length", type=int, help="tokens in the n-gram chain (default 6)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int)
@@ -79,14 +80,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model = MedusaModel.from_pretrained(args.heads, dtype=args.dtype)
     rows = greedy_outputs(model, read_bench_prompts(args.prompts), args.outputs, args.max_new_tokens)
-    drafter = make_drafter(model, args.tree, name=args.drafter)
+    drafter = make_drafter(model, args.tree, name=args.drafter, draft_length=args.draft_length)
     tokens, steps = defaultdict(int), defaultdict(int)
     for row in tqdm(rows, desc="replay", unit="prompt"):
         # the first new token comes from the prefill; each step commits its accepted path and one more token
         tokens[row["category"]] += len(row["output_ids"]) - 1
         steps[row["category"]] += replay(model, drafter, row["prompt_ids"], row["output_ids"])
     total = sum(tokens.values()) / sum(steps.values())
-    print(f"{args.drafter}:{args.tree} ({args.heads or 'shipped heads'}): {total:.3f} tokens per forward; "
+    chain = f":{args.draft_length}" if args.draft_length else ""
+    print(f"{args.drafter}:{args.tree}{chain} ({args.heads or 'shipped heads'}): {total:.3f} tokens per forward; "
           + ", ".join(f"{c} {tokens[c] / steps[c]:.2f}" for c in tokens))
 
 

@@ -141,6 +141,8 @@ class MedusaNgramDrafter:
                  store: NgramStore | None = None):
         from medusa_heads.tree import build_tree, validate_tree
 
+        if ngram_length < 1:
+            raise MedusaError(f"The n-gram chain needs at least 1 token, got {ngram_length}.")
         paths = validate_tree(paths, num_heads=model.config.num_heads)
         self.medusa = heads_drafter(model, build_tree(paths, model.device))
         branch = self.medusa.tree.top_k  # a rank no head fills marks the n-gram chain
@@ -180,9 +182,10 @@ def heads_drafter(model: MedusaModel, tree: TreeBuffers) -> Drafter:
 
 def make_drafter(model: MedusaModel, tree_name_or_file: str, ngram: bool = False, name: str | None = None,
                  budget: int | None = None, **options) -> Drafter:
-    """The CLI's drafters by name: the Medusa tree, optionally with an n-gram branch (`ngram` or
-    `name="medusa+ngram"`; `"medusa+ngram+store"` falls back to the heads' `NgramStore`); `dynamic` and `adaptive` grow their tree each step within `budget` nodes
-    (`dynamic.py`); other names (ngram, draft-model, early-exit) are `draft_model.py`'s, given `options`."""
+    """The CLI's drafters by name: the Medusa tree, optionally with an n-gram branch of `draft_length`
+    tokens (default 6; `ngram` or `name="medusa+ngram"`; `"medusa+ngram+store"` falls back to the heads'
+    `NgramStore`); `dynamic` and `adaptive` grow their tree each step within `budget` nodes (`dynamic.py`);
+    other names (ngram, draft-model, early-exit) are `draft_model.py`'s, given `options`."""
     from medusa_heads.tree import build_tree, load_tree
 
     if name in ("dynamic", "adaptive"):
@@ -194,10 +197,11 @@ def make_drafter(model: MedusaModel, tree_name_or_file: str, ngram: bool = False
 
         return make_headless_drafter(model, name, **options)
     paths = load_tree(tree_name_or_file)
+    chain = {"ngram_length": options["draft_length"]} if options.get("draft_length") is not None else {}
     if name == "medusa+ngram+store":
-        return MedusaNgramDrafter(model, paths, store=heads_store(model))
+        return MedusaNgramDrafter(model, paths, store=heads_store(model), **chain)
     if ngram or name == "medusa+ngram":
-        return MedusaNgramDrafter(model, paths)
+        return MedusaNgramDrafter(model, paths, **chain)
     return heads_drafter(model, build_tree(paths, model.device))
 
 

@@ -104,9 +104,10 @@ def drafter_method(name: str, tree: str = "", draft_model: str | None = None, dr
     return run
 
 
-def medusa_method(tree_name: str, drafter: str = "medusa", sampling: tuple[str, float] | None = None):
-    """The heads' tree: `drafter` is medusa, medusa+ngram or medusa+ngram+store."""
-    return drafter_method(drafter, tree_name, sampling=sampling)
+def medusa_method(tree_name: str, drafter: str = "medusa", sampling: tuple[str, float] | None = None,
+                  draft_length: int | None = None):
+    """The heads' tree: `drafter` is medusa, medusa+ngram or medusa+ngram+store (its chain `draft_length` long)."""
+    return drafter_method(drafter, tree_name, sampling=sampling, draft_length=draft_length)
 
 
 def sampled(method: str) -> bool:
@@ -156,9 +157,12 @@ def _make_method(name: str, drafts: DraftModels):
     elif name.startswith("hf-lookup"):
         return hf_method(int(name.split(":")[1]) if ":" in name else 10)
     elif kind in ("medusa", "medusa+ngram", "medusa+ngram+store"):
-        tree, sampling = _with_sampling(spec, name)
+        spec, sampling = _with_sampling(spec, name)
+        tree, length = _with_length(spec, name)
+        if length and kind == "medusa":
+            raise MedusaError(f"Method `{name}`: only the n-gram branch takes a length (medusa+ngram:TREE:N).")
         load_tree(tree)  # fail now on a bad tree, not after the warm-up
-        return medusa_method(tree, kind, sampling=sampling)
+        return medusa_method(tree, kind, sampling=sampling, **length)
     elif kind == "ngram":
         return drafter_method("ngram", **({"draft_length": _int(spec, name)} if spec else {}))
     elif kind in ("draft-model", "hf-assisted") and not spec:
@@ -177,7 +181,7 @@ def _make_method(name: str, drafts: DraftModels):
         return drafter_method("early-exit", exit_layer=_int(layers, name), **length)
     else:
         raise MedusaError(f"Unknown method `{name}`; use hf, hf-sample@T, hf-lookup[:N], hf-assisted:PATH, "
-                          "medusa:TREE[:exact@T|:typical@T], medusa+ngram[+store]:TREE[:...], ngram[:N], "
+                          "medusa:TREE[:exact@T|:typical@T], medusa+ngram[+store]:TREE[:N][:...], ngram[:N], "
                           "draft-model:PATH[:N], early-exit:LAYERS[:N], dynamic[:N] or adaptive[:N].")
 
 

@@ -34,8 +34,8 @@ def _parser() -> argparse.ArgumentParser:
                    "forward; medusa+ngram+store drafts that chain from the heads' n-gram store when the context has "
                    "no match; ngram, draft-model and early-exit draft a chain without the heads")
     g.add_argument("--draft-model", help="draft-model: a small LM with the backbone's tokenizer (hub id or folder)")
-    g.add_argument("--draft-length", type=int, help="ngram, draft-model, early-exit: tokens per chain (default: 6 "
-                   "for ngram, 4 for the others)")
+    g.add_argument("--draft-length", type=int, help="ngram, draft-model, early-exit, the n-gram branch of "
+                   "medusa+ngram[+store]: tokens per chain (default: 6 for ngram and the branch, 4 for the others)")
     g.add_argument("--exit-layer", type=int, help="early-exit: draft with the backbone's first N layers")
     g.add_argument("--budget", type=int, help="dynamic: drafted nodes per step (default 16); adaptive: the most "
                    "it may choose (default 32); the tree grows each step from the heads' confidence")

@@ -75,7 +75,8 @@ def tiny(tokenizer, tmp_path_factory):
     return MedusaModel(backbone, untrained_heads(backbone, "tiny")), str(draft)
 
 
-METHODS = ["hf", "hf-lookup:3", "ngram:3", "early-exit:1:2", "medusa:chain-4", "medusa:cpu-8", "medusa+ngram:cpu-8"]
+METHODS = ["hf", "hf-lookup:3", "ngram:3", "early-exit:1:2", "medusa:chain-4", "medusa:cpu-8", "medusa+ngram:cpu-8",
+           "medusa+ngram:cpu-8:2"]
 
 
 def test_the_harness_on_a_tiny_model(tiny, tokenizer, tmp_path):
@@ -89,8 +90,8 @@ def test_the_harness_on_a_tiny_model(tiny, tokenizer, tmp_path):
         assert s["identical_outputs"] == s["prompts"] == 2, name
     nodes = {name: s["tree_nodes"] for name, s in summary.items()}
     assert nodes == {"hf": None, "hf-lookup:3": None, "ngram:3": 4, "early-exit:1:2": 3, "medusa:chain-4": 5,
-                     "medusa:cpu-8": 9, "medusa+ngram:cpu-8": 15, f"draft-model:{draft}:2": 3,
-                     f"hf-assisted:{draft}": None}
+                     "medusa:cpu-8": 9, "medusa+ngram:cpu-8": 15, "medusa+ngram:cpu-8:2": 11,  # a 2-token chain
+                     f"draft-model:{draft}:2": 3, f"hf-assisted:{draft}": None}
     assert len(summary["medusa:chain-4"]["acceptance_by_depth"]) == 4 and summary["hf"]["acceptance_by_depth"] is None
     draft_mb = [r["weights_mb"] for r in result["rows"] if r["method"] == f"draft-model:{draft}:2"][0]
     assert draft_mb == pytest.approx(49152 * 32 * 4 * 2 / 2**20, rel=0.1)  # embeddings and LM head dominate
@@ -122,6 +123,8 @@ def test_method_names_and_their_errors():
     for name, needle in [("draft-model:", "needs a draft model"), ("hf-assisted:", "needs a draft model"),
                          ("early-exit:x", "positive integer"), ("ngram:0", "positive integer"),
                          ("early-exit:4:y", "positive integer"), ("lookahead", "Unknown method"),
-                         ("medusa:cpu-8#nowhere", "no `--alt-heads nowhere=PATH`")]:
+                         ("medusa:cpu-8#nowhere", "no `--alt-heads nowhere=PATH`"),
+                         ("medusa:cpu-8:4", "only the n-gram branch takes a length"),
+                         ("medusa+ngram:cpu-8:0", "positive integer")]:
         with pytest.raises(MedusaError, match=needle):
             make_methods([name])
