@@ -187,6 +187,10 @@ def _generate(args) -> None:
     if args.budget is not None and (args.drafter not in ("dynamic", "adaptive") or args.budget < 0):
         raise MedusaError(f"`--budget` takes a node count >= 0 for --drafter dynamic or adaptive, got {args.budget} "
                           f"with --drafter {args.drafter}.")
+    if args.draft_length is not None and (args.draft_length < 1 or args.drafter in ("medusa", "dynamic", "adaptive")):
+        raise MedusaError(f"`--draft-length` takes a token count >= 1 for a drafter with a chain (medusa+ngram, "
+                          f"medusa+ngram+store, ngram, draft-model, early-exit), got {args.draft_length} with "
+                          f"--drafter {args.drafter}.")
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     tokenizer = _tokenizer(args, model)
     drafter = make_drafter(model, args.tree, name=args.drafter, draft_model=args.draft_model,

@@ -91,6 +91,12 @@ def test_generate_json_with(drafter):
         assert out["mean_accepted_length"] > 3.0
 
 
+@pytest.mark.parametrize("drafter, length", [("medusa", "4"), ("dynamic", "4"), ("medusa+ngram", "0")])
+def test_draft_length_needs_a_chain(cli, drafter, length):
+    assert_clean_error(cli("generate", "--prompt", "hi", "--drafter", drafter, "--draft-length", length),
+                       "`--draft-length` takes a token count >= 1")
+
+
 def test_generate_errors_for_drafter_options():
     assert_clean_error(run_cli("generate", "--prompt", "hi", "--drafter", "early-exit"), "--exit-layer")
     assert_clean_error(run_cli("generate", "--prompt", "hi", "--drafter", "draft-model", "--draft-model",
