@@ -21,6 +21,7 @@ from tqdm import tqdm
 from medusa_heads import MedusaModel
 from medusa_heads.backbone import backbone_forward, load_tokenizer
 from medusa_heads.bench import read_bench_prompts
+from medusa_heads.errors import MedusaError, read_jsonl
 from medusa_heads.inference import make_drafter
 from medusa_heads.inference.drafters import DecodeState
 from medusa_heads.inference.generate import encode_prompt
@@ -30,7 +31,7 @@ def greedy_outputs(model, prompts: list[dict], path: Path, max_new_tokens: int) 
     """HF greedy token ids per prompt, generated once and cached in `path` (jsonl)."""
     done = {}
     if path.exists():
-        done = {row["id"]: row for row in map(json.loads, path.read_text().splitlines())}
+        done = {row["id"]: row for _, row in read_jsonl(path, "Greedy outputs cache", "output_ids", list)}
     tokenizer = load_tokenizer(model.config.base_model_name_or_path, model.config.base_model_gguf_file)
     with path.open("a") as out:
         for p in tqdm([p for p in prompts if p["id"] not in done], desc="greedy outputs", unit="prompt"):
@@ -78,9 +79,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = MedusaModel.from_pretrained(args.heads, dtype=args.dtype)
-    rows = greedy_outputs(model, read_bench_prompts(args.prompts), args.outputs, args.max_new_tokens)
-    drafter = make_drafter(model, args.tree, name=args.drafter, draft_length=args.draft_length)
+    try:
+        model = MedusaModel.from_pretrained(args.heads, dtype=args.dtype)
+        rows = greedy_outputs(model, read_bench_prompts(args.prompts), args.outputs, args.max_new_tokens)
+        drafter = make_drafter(model, args.tree, name=args.drafter, draft_length=args.draft_length)
+    except MedusaError as err:
+        parser.exit(2, f"replay_acceptance: error: {err}\n")
     tokens, steps = defaultdict(int), defaultdict(int)
     for row in tqdm(rows, desc="replay", unit="prompt"):
         # the first new token comes from the prefill; each step commits its accepted path and one more token

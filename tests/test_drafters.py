@@ -69,6 +69,8 @@ def test_bad_drafter_options(model):
         EarlyExitDrafter(model, exit_layer=30)
     with pytest.raises(MedusaError, match="at least 1"):
         NgramDrafter(0)
+    with pytest.raises(MedusaError, match="chain needs at least 1 token"):
+        make_drafter(model, "cpu-8", name="medusa+ngram", draft_length=0)
     other = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
     with pytest.raises(MedusaError, match="vocabulary"):
