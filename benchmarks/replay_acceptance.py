@@ -1,6 +1,6 @@
 """Tokens per forward of a drafter, replayed offline on the backbone's known greedy outputs (no verification).
 
-    python benchmarks/replay_acceptance.py --prompts ../shared/bench/prompts.jsonl --outputs runs/bench_greedy.jsonl \
+    python benchmarks/replay_acceptance.py --prompts benchmarks/prompts.jsonl --outputs runs/bench_greedy.jsonl \
         --drafter medusa+ngram+store --tree cpu-16 [--heads PATH]
 
 Greedy verification accepts the longest tree path that spells the backbone's own continuation, so with that
@@ -19,11 +19,10 @@ import torch
 from tqdm import tqdm
 
 from medusa_heads import MedusaModel
+from medusa_heads.apps.bench import read_bench_prompts
 from medusa_heads.backbone import backbone_forward, load_tokenizer
-from medusa_heads.bench import read_bench_prompts
 from medusa_heads.errors import MedusaError, read_jsonl
-from medusa_heads.inference import make_drafter
-from medusa_heads.inference.drafters import DecodeState
+from medusa_heads.inference import DRAFTERS, DecodeState, make_drafter
 from medusa_heads.inference.generate import encode_prompt
 
 
@@ -70,7 +69,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, required=True)
     parser.add_argument("--outputs", type=Path, required=True, help="jsonl cache of the greedy outputs")
     parser.add_argument("--heads", help="heads folder (default: the shipped ones)")
-    parser.add_argument("--drafter", default="medusa+ngram+store")
+    parser.add_argument("--drafter", choices=list(DRAFTERS), default="medusa+ngram+store")
     parser.add_argument("--tree", default="cpu-16")
     parser.add_argument("--draft-length", type=int, help="tokens in the n-gram chain (default 6)")
     parser.add_argument("--dtype", default="bfloat16")
@@ -82,7 +81,9 @@ def main() -> None:
     try:
         model = MedusaModel.from_pretrained(args.heads, dtype=args.dtype)
         rows = greedy_outputs(model, read_bench_prompts(args.prompts), args.outputs, args.max_new_tokens)
-        drafter = make_drafter(model, args.tree, name=args.drafter, draft_length=args.draft_length)
+        takes = DRAFTERS[args.drafter].options
+        drafter = make_drafter(model, args.drafter, tree=args.tree if "tree" in takes else None,
+                               draft_length=args.draft_length)
     except MedusaError as err:
         parser.exit(2, f"replay_acceptance: error: {err}\n")
     tokens, steps = defaultdict(int), defaultdict(int)

@@ -28,11 +28,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = {}
+    warmup = min(load_recipe(args.config).warmup_steps, args.steps)  # a short run may end inside the warm-up
     for cached in (True, False):
         with tempfile.TemporaryDirectory() as out:
-            overrides = {"max_steps": args.steps, "output_dir": out, "cache_hidden_states": cached,
-                         "eval_every": 10 ** 9, "checkpoint_every": 10 ** 9, "held_out_fraction": 0.0,
-                         "hidden_cache_dir": f"{out}/hidden"}
+            overrides = {"max_steps": args.steps, "warmup_steps": warmup, "output_dir": out,
+                         "cache_hidden_states": cached, "eval_every": 10 ** 9, "checkpoint_every": 10 ** 9,
+                         "held_out_fraction": 0.0, "hidden_cache_dir": f"{out}/hidden"}
             if args.data:
                 overrides["data"] = args.data
             start = time.perf_counter()

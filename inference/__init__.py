@@ -1,16 +1,29 @@
-"""Tree decoding: propose candidates, verify them in one backbone forward, accept, compact the cache."""
+"""The runtime. Tree decoding: propose candidates, verify them in one backbone forward, accept, compact the cache.
 
-from .acceptance import Accepted, ExactAcceptance, GreedyAcceptance, TypicalAcceptance, make_acceptance
-from .draft_model import DraftModelDrafter, EarlyExitDrafter, NgramDrafter
-from .drafters import Draft, MedusaDrafter, MedusaNgramDrafter, make_drafter, ngram_lookup
-from .eagle import EagleDrafter
+Drafters and acceptance rules are listed by name in `registry`; `generate` holds the decoding loop.
+"""
+
+from .acceptance import ExactAcceptance, GreedyAcceptance, TypicalAcceptance
+from .draft import Accepted, DecodeState, Draft, Drafter
+from .drafters.draft_model import DraftModelDrafter, EarlyExitDrafter
+from .drafters.dynamic import AdaptiveDrafter, DynamicDrafter
+from .drafters.eagle import EagleDrafter
+from .drafters.heads import MedusaDrafter
+from .drafters.ngram import MedusaNgramDrafter, NgramDrafter, ngram_lookup
 from .generate import Generation, GenerationStats, generate, generate_ids, stream
+from .registry import ACCEPTANCE_RULES, DRAFTERS, heads_drafter, make_acceptance, make_drafter
 from .sampling import Warper
 
 __all__ = [
+    "ACCEPTANCE_RULES",
     "Accepted",
+    "AdaptiveDrafter",
+    "DRAFTERS",
+    "DecodeState",
     "Draft",
     "DraftModelDrafter",
+    "Drafter",
+    "DynamicDrafter",
     "EagleDrafter",
     "EarlyExitDrafter",
     "ExactAcceptance",
@@ -24,6 +37,7 @@ __all__ = [
     "Warper",
     "generate",
     "generate_ids",
+    "heads_drafter",
     "make_acceptance",
     "make_drafter",
     "ngram_lookup",

@@ -6,33 +6,14 @@ distribution; `typical` is Medusa's faster, lossy rule.
 """
 
 import math
-from dataclasses import dataclass
 from functools import lru_cache
-from typing import Protocol
 
 import torch
 
 from medusa_heads.errors import MedusaError
 
-from .drafters import Draft
+from .draft import Accepted, Draft
 from .sampling import Warper
-
-
-@dataclass
-class Accepted:
-    nodes: torch.Tensor  # [n + 1] long, tree node ids from the root to the last accepted node
-    bonus: int  # the token chosen after the last accepted node
-
-    @property
-    def depth(self) -> int:
-        """Drafted tokens accepted (the root not counted)."""
-        return self.nodes.numel() - 1
-
-
-class Acceptance(Protocol):
-    def first_token(self, logits: torch.Tensor) -> int: ...
-
-    def accept(self, draft: Draft, logits: torch.Tensor) -> Accepted: ...
 
 
 def _path_lengths(draft: Draft, ok: torch.Tensor) -> torch.Tensor:
@@ -181,19 +162,3 @@ class ExactAcceptance:
         residual = probs[node].clone()
         residual[draft.tokens[children[node]]] = 0.0
         return residual
-
-
-def make_acceptance(name: str, temperature: float = 0.0, epsilon: float = 0.09, delta: float = 0.3,
-                    seed: int | None = None, device: str | torch.device = "cpu", top_k: int = 0,
-                    top_p: float = 1.0) -> Acceptance:
-    """`greedy`, `exact` or `typical`, by name, as the CLI names them; `device` is where the logits will be."""
-    if name not in ("greedy", "exact", "typical"):
-        raise MedusaError(f"Unknown acceptance `{name}`; use greedy, exact or typical.")
-    if name != "exact" and (top_k != 0 or top_p != 1.0):
-        raise MedusaError(f"`top_k` and `top_p` apply to exact acceptance only, not to {name}.")
-    if name == "greedy":
-        return GreedyAcceptance()
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
-    if name == "exact":
-        return ExactAcceptance(temperature, top_k, top_p, generator)
-    return TypicalAcceptance(temperature or 0.7, epsilon, delta, generator)

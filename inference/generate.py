@@ -12,9 +12,9 @@ from medusa_heads.errors import MedusaError
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
 
-from .acceptance import Acceptance, Accepted, GreedyAcceptance
+from .acceptance import GreedyAcceptance
 from .cache import check_compactable, compact_cache, new_cache
-from .drafters import DecodeState, Draft, Drafter
+from .draft import Acceptance, Accepted, DecodeState, Draft, Drafter
 
 
 @dataclass

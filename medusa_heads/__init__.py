@@ -1,20 +1,31 @@
-"""medusa-heads: Medusa multi-head self-speculative decoding for Hugging Face causal LMs."""
+"""medusa-heads: Medusa multi-head self-speculative decoding for Hugging Face causal LMs.
 
-from .backbone import EMBEDDED_MODEL, load_backbone, load_tokenizer
-from .config import MedusaConfig
-from .eagle import EagleHead
-from .errors import MedusaError
-from .heads import MedusaHeads
-from .model import MedusaModel, load_heads
+The public names below are imported on first use, so that `import medusa_heads.tree` (pure data and torch)
+does not pull in transformers.
+"""
 
-__all__ = [
-    "EMBEDDED_MODEL",
-    "EagleHead",
-    "MedusaConfig",
-    "MedusaError",
-    "MedusaHeads",
-    "MedusaModel",
-    "load_backbone",
-    "load_heads",
-    "load_tokenizer",
-]
+import importlib
+
+_EXPORTS = {
+    "EMBEDDED_MODEL": "backbone",
+    "load_backbone": "backbone",
+    "load_tokenizer": "backbone",
+    "MedusaConfig": "config",
+    "MedusaError": "errors",
+    "DraftHeads": "heads",
+    "MedusaHeads": "heads",
+    "HydraHeads": "heads",
+    "EagleHead": "eagle",
+    "HEAD_TYPES": "head_types",
+    "MedusaModel": "model",
+    "load_heads": "model",
+    "NgramStore": "ngram_store",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'medusa_heads' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)

@@ -35,6 +35,20 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return dtypes[name]
 
 
+def parse_device(name: str | torch.device) -> torch.device:
+    """A device torch can use here, or a one-line MedusaError (e.g. `cuda` on a machine without CUDA)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise MedusaError(f"Unknown device `{name}`; use cpu, cuda or cuda:N.") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise MedusaError(f"Device `{name}` is not available: this machine has {count} CUDA device(s) for this "
+                              "torch build; use --device cpu.")
+    return device
+
+
 def _embedded_gguf_folder() -> Path:
     # Do not import the package: its __init__ imports the unrelated `llm` tool.
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
@@ -84,6 +98,7 @@ def load_backbone(
     device: str | torch.device = "cpu",
 ) -> PreTrainedModel:
     """Load a causal LM in eval mode with its parameters frozen."""
+    device = parse_device(device)
     path = resolve_model_path(name_or_path)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:

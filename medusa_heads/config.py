@@ -4,7 +4,6 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
 FORMAT_VERSION = 3  # 2: `head_type` and `draft_vocab_size`; 3: `head_type="eagle"` and `decoder_config`
-HEAD_TYPES = ("medusa", "hydra", "eagle")
 
 
 @strict(accept_kwargs=True)
@@ -31,11 +30,10 @@ class MedusaConfig(PreTrainedConfig):
             If `True` every head projects with the backbone's own LM head (not saved with the heads);
             if `False` each head owns a projection, initialised from the backbone's (as in the Medusa paper).
         head_type (`str`, defaults to `"medusa"`):
-            `"medusa"`: each head reads only the hidden state. `"hydra"`: head k also reads the embeddings of
-            the k tokens before its own on the draft path (the root and the guesses of heads 1..k-1), so the
-            guesses along a path are coherent. `"eagle"`: not heads but one decoder layer (EAGLE-style) that
-            reads the backbone's features and tokens of the whole context and predicts the next feature; it
-            drafts `num_heads` deep, one depth per call (`medusa_heads.eagle`).
+            A name in `medusa_heads.head_types.HEAD_TYPES`: `"medusa"` (`MedusaHeads`, each head reads only the
+            hidden state), `"hydra"` (`HydraHeads`, head k also reads the embeddings of the k tokens before its own
+            on the draft path) or `"eagle"` (`EagleHead`, one decoder layer over the backbone's features and
+            tokens of the whole context, drafting `num_heads` deep, one depth per call).
         draft_vocab_size (`int`, *optional*):
             Heads guess among this many tokens only (the most frequent in the training targets, saved as the
             `draft_vocab` buffer): a cheaper projection. Verification still uses the full vocabulary.
@@ -68,7 +66,8 @@ class MedusaConfig(PreTrainedConfig):
     format_version: int = FORMAT_VERSION
 
     def validate_architecture(self):
-        """Called by `@strict` on construction: one sentence per problem, naming the argument."""
+        """Called by `@strict` on construction: one sentence per problem, naming the argument. What a head type
+        needs beyond this is checked by its class (`DraftHeads.check_config`), which knows the type."""
         if self.num_heads < 1:
             raise ValueError(f"`num_heads` must be at least 1, got {self.num_heads}.")
         if self.num_layers < 0:
@@ -77,14 +76,10 @@ class MedusaConfig(PreTrainedConfig):
             raise ValueError(
                 f"`hidden_size` and `vocab_size` must be positive, got {self.hidden_size} and {self.vocab_size}."
             )
-        if self.head_type not in HEAD_TYPES:
-            raise ValueError(f"`head_type` must be one of {', '.join(HEAD_TYPES)}, got {self.head_type!r}.")
         if self.draft_vocab_size is not None and not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(
                 f"`draft_vocab_size` must be in 1..vocab_size ({self.vocab_size}), got {self.draft_vocab_size}."
             )
-        if self.head_type == "eagle" and (self.decoder_config is None or not self.share_lm_head):
-            raise ValueError("`head_type=\"eagle\"` needs a `decoder_config` and `share_lm_head=True`.")
         if self.format_version > FORMAT_VERSION:
             raise ValueError(
                 f"These heads use format version {self.format_version}, newer than this medusa-heads "

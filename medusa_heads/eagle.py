@@ -11,7 +11,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedConfig, PreTrainedModel
 
 from .config import MedusaConfig
-from .heads import DraftVocabulary
+from .heads import DraftHeads
 
 
 def decoder_config_for(backbone_config: PreTrainedConfig) -> dict:
@@ -25,7 +25,7 @@ def decoder_config_for(backbone_config: PreTrainedConfig) -> dict:
     return text
 
 
-class EagleHead(DraftVocabulary, PreTrainedModel):
+class EagleHead(DraftHeads):
     r"""
     `fc([f_t; e(x_{t+1})])`, then one decoder layer (the backbone's architecture, built from
     `config.decoder_config`) and its final norm: features [..., T, H] -> predicted next features [..., T, H].
@@ -40,11 +40,26 @@ class EagleHead(DraftVocabulary, PreTrainedModel):
     torch.Size([1, 5, 32])
     """
 
-    config_class = MedusaConfig
+    head_type = "eagle"
+    reads_tokens = True
+    drafts_over_context = True
+    trains_with_adapter = False
+    can_own_lm_head = False
     base_model_prefix = "eagle"
     main_input_name = "features"
 
+    @classmethod
+    def check_config(cls, config: MedusaConfig) -> None:
+        super().check_config(config)
+        if config.decoder_config is None:
+            raise ValueError("`head_type=\"eagle\"` needs a `decoder_config` (the one-layer decoder's config).")
+
+    @classmethod
+    def config_fields_for(cls, backbone_config: PreTrainedConfig) -> dict:
+        return {"decoder_config": decoder_config_for(backbone_config)}
+
     def __init__(self, config: MedusaConfig):
+        self.check_config(config)
         super().__init__(config)
         h = config.hidden_size
         decoder = dict(config.decoder_config)
@@ -53,11 +68,8 @@ class EagleHead(DraftVocabulary, PreTrainedModel):
         self._register_draft_vocab()
         self.post_init()
 
-    is_hydra = False
-    lm_heads = None  # it always scores with the backbone's LM head (`share_lm_head`)
-
     @torch.no_grad()
-    def init_as_identity(self) -> None:
+    def init_from_backbone(self, backbone: PreTrainedModel) -> None:
         """Start as "the next feature is this one": fc reads the feature only and the layer's residual branches
         output zero, so the drafter's first guesses are the backbone's own next token. From there it learns
         the shift by one position far faster than from a random start."""

@@ -1,9 +1,11 @@
-"""`MedusaHeads`: K small heads that guess the tokens after next from the backbone's last hidden state."""
+"""Heads on the last hidden state: `MedusaHeads` and `HydraHeads`, and `DraftHeads`, the base of every head type."""
+
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
 
 from .config import MedusaConfig
 
@@ -34,11 +36,45 @@ class TokenMix(nn.Module):
         return hidden + F.linear(token_embeds.flatten(-2), self.weight)
 
 
-class DraftVocabulary:
-    """For heads that may guess among a subset of the vocabulary, the `draft_vocab` buffer (or None)."""
+class DraftHeads(PreTrainedModel):
+    r"""
+    What every head type shares: its config, the draft vocabulary, and its capabilities as class attributes.
+    The runtime and the trainer read the capabilities; they never compare `head_type` strings.
 
+    Capabilities:
+        head_type: the `MedusaConfig.head_type` this class is (the key in `medusa_heads.head_types.HEAD_TYPES`).
+        reads_tokens: it also reads the embeddings of tokens after the hidden state's position.
+        drafts_over_context: it keeps its own view of the whole context (a KV cache of its own), so it drafts
+            static trees only and cannot score an arbitrary path from the last hidden state alone (no dynamic
+            trees, calibration or step profiling).
+        trains_with_adapter: it can train beside LoRA adapters on the backbone (Medusa-2).
+        can_own_lm_head: it may own its vocabulary projection (`share_lm_head=False`).
+    """
+
+    config_class = MedusaConfig
+    head_type: ClassVar[str]
+    reads_tokens: ClassVar[bool] = False
+    drafts_over_context: ClassVar[bool] = False
+    trains_with_adapter: ClassVar[bool] = True
+    can_own_lm_head: ClassVar[bool] = True
     draft_vocab: torch.Tensor | None
-    config: MedusaConfig
+
+    @classmethod
+    def check_config(cls, config: MedusaConfig) -> None:
+        """Raise ValueError, naming the field, for a config this head type cannot be built from."""
+        if config.head_type != cls.head_type:
+            raise ValueError(f"`head_type` {config.head_type!r} does not match {cls.__name__} ({cls.head_type!r}).")
+        if not config.share_lm_head and not cls.can_own_lm_head:
+            raise ValueError(f"`head_type={cls.head_type!r}` scores with the backbone's LM head: it needs "
+                             "`share_lm_head=True`.")
+
+    @classmethod
+    def config_fields_for(cls, backbone_config: PreTrainedConfig) -> dict:
+        """Config fields this head type derives from the backbone's config (beyond sizes)."""
+        return {}
+
+    def init_from_backbone(self, backbone: PreTrainedModel) -> None:
+        """Make fresh heads start from the backbone's own prediction (called by `untrained_heads`)."""
 
     def _register_draft_vocab(self) -> None:
         if self.config.draft_vocab_size:
@@ -54,7 +90,7 @@ class DraftVocabulary:
         self.draft_vocab.copy_(token_ids)
 
     def output_projection(self, lm_head: nn.Module) -> nn.Module:
-        """The projection `project` expects for shared heads: `lm_head` itself, or its rows of the draft vocabulary
+        """The projection shared heads score with: `lm_head` itself, or its rows of the draft vocabulary
         (a copy, made once by the caller)."""
         if self.draft_vocab is None:
             return lm_head
@@ -68,14 +104,13 @@ class DraftVocabulary:
         return indices if self.draft_vocab is None else self.draft_vocab[indices]
 
 
-class MedusaHeads(DraftVocabulary, PreTrainedModel):
+class MedusaHeads(DraftHeads):
     r"""
-    The heads alone: per head, `num_layers` residual blocks (each its own module) and a vocabulary projection.
+    Medusa heads (`head_type="medusa"`): per head, `num_layers` residual blocks (each its own module) on the last
+    hidden state, then a vocabulary projection.
 
     With `config.share_lm_head` the projection is the backbone's LM head, passed to `forward`, and the
     saved weights hold the residual blocks only. An untrained head is then exactly the backbone's LM head.
-    With `config.head_type="hydra"`, head j (0-based) also reads the embeddings of the j + 1 tokens after the
-    hidden state's position (the root, then the guesses of heads 0..j-1 on the path).
     With `config.draft_vocab_size`, heads score only the tokens in the `draft_vocab` buffer: use
     `output_projection` to get the projection they expect and `token_ids` to map their outputs back.
 
@@ -86,39 +121,34 @@ class MedusaHeads(DraftVocabulary, PreTrainedModel):
     torch.Size([2, 3, 11])
     """
 
-    config_class = MedusaConfig
+    head_type = "medusa"
     base_model_prefix = "medusa"
     main_input_name = "hidden_states"
 
     def __init__(self, config: MedusaConfig):
+        self.check_config(config)
         super().__init__(config)
         h, k = config.hidden_size, config.num_heads
         self.blocks = nn.ModuleList(nn.Sequential(*[ResBlock(h) for _ in range(config.num_layers)]) for _ in range(k))
-        self.mixers = nn.ModuleList(TokenMix(h, j + 1) for j in range(k)) if config.head_type == "hydra" else None
         out = config.draft_vocab_size or config.vocab_size
         self.lm_heads = None if config.share_lm_head else nn.ModuleList(nn.Linear(h, out, bias=False) for _ in range(k))
+        self._add_modules(config)
         self._register_draft_vocab()
         self.post_init()
 
-    @property
-    def is_hydra(self) -> bool:
-        return self.mixers is not None
+    def _add_modules(self, config: MedusaConfig) -> None:
+        """Subclasses add their own modules here, before the weights are initialised."""
 
     @torch.no_grad()
-    def init_lm_heads_from(self, lm_head: nn.Module) -> None:
-        """Copy the backbone's LM head (its draft-vocabulary rows) into each head's own projection."""
-        if self.lm_heads is None:
-            raise ValueError("These heads share the backbone's LM head (`share_lm_head=True`); there is nothing to copy into.")
-        for own in self.lm_heads:
-            own.weight.copy_(self.output_projection(lm_head).weight)
+    def init_from_backbone(self, backbone: PreTrainedModel) -> None:
+        """Heads with their own projections start from a copy of the backbone's LM head (its draft-vocabulary
+        rows); shared heads already score with it."""
+        if self.lm_heads is not None:
+            for own in self.lm_heads:
+                own.weight.copy_(self.output_projection(backbone.get_output_embeddings()).weight)
 
     def head_state(self, head: int, hidden: torch.Tensor, token_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """One head before its projection: hidden [..., H] -> [..., H]. Hydra heads need token_embeds
-        [..., n >= head + 1, H], the embeddings of the tokens after the hidden state's position."""
-        if self.mixers is not None:
-            if token_embeds is None:
-                raise ValueError("Hydra heads read the path's tokens: pass `token_embeds`.")
-            hidden = self.mixers[head](hidden, token_embeds[..., : head + 1, :])
+        """One head before its projection: hidden [..., H] -> [..., H]."""
         return self.blocks[head](hidden)
 
     def head_states(self, hidden_states: torch.Tensor, token_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,3 +171,24 @@ class MedusaHeads(DraftVocabulary, PreTrainedModel):
         if self.lm_heads is None:
             return self.project(0, states, lm_head)  # one matmul for all heads
         return torch.stack([self.project(k, s) for k, s in enumerate(states)])
+
+
+class HydraHeads(MedusaHeads):
+    r"""
+    Hydra heads (`head_type="hydra"`): head j (0-based) also reads the embeddings of the j + 1 tokens after the
+    hidden state's position (the root, then the guesses of heads 0..j-1 on the draft path), so the guesses
+    along a path are coherent. A fresh Hydra head is a fresh Medusa head (its token mix starts at zero).
+    """
+
+    head_type = "hydra"
+    reads_tokens = True
+
+    def _add_modules(self, config: MedusaConfig) -> None:
+        self.mixers = nn.ModuleList(TokenMix(config.hidden_size, j + 1) for j in range(config.num_heads))
+
+    def head_state(self, head: int, hidden: torch.Tensor, token_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden [..., H] and token_embeds [..., n >= head + 1, H], the embeddings of the tokens after the
+        hidden state's position -> [..., H]."""
+        if token_embeds is None:
+            raise ValueError("Hydra heads read the path's tokens: pass `token_embeds`.")
+        return self.blocks[head](self.mixers[head](hidden, token_embeds[..., : head + 1, :]))

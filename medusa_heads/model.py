@@ -1,19 +1,29 @@
 """`MedusaModel`: a frozen backbone plus its heads, checked to fit each other."""
 
 import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
+from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
 from .backbone import EMBEDDED_MODEL, first_line, load_backbone, parse_dtype
 from .config import MedusaConfig
 from .errors import MedusaError
-from .eagle import EagleHead, decoder_config_for
-from .heads import MedusaHeads
+from .head_types import head_type_class
+from .heads import DraftHeads
+from .ngram_store import NgramStore, find_store
+
+if TYPE_CHECKING:
+    from peft import PeftConfig, PeftModel
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +37,7 @@ def shipped_heads(base_model: str) -> Path | None:
     return folder if folder is not None and (folder / "config.json").is_file() else None
 
 
-def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> MedusaHeads | EagleHead:
+def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> DraftHeads:
     """Load heads from a local folder or hub id; missing or unexpected weights are an error, not a warning."""
     local = Path(path)
     if local.exists() and not (local / "config.json").is_file():
@@ -37,7 +47,7 @@ def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> Medu
     try:
         config = MedusaConfig.from_pretrained(path)
         extra = {"dtype": parse_dtype(dtype)} if dtype is not None else {}
-        kind = EagleHead if config.head_type == "eagle" else MedusaHeads
+        kind = head_type_class(config.head_type)
         heads, info = kind.from_pretrained(path, config=config, output_loading_info=True, **extra)
     except (OSError, ValueError, StrictDataclassError, SafetensorError) as err:
         raise MedusaError(f"Cannot load Medusa heads from `{path}`: {first_line(err)}") from err
@@ -47,7 +57,7 @@ def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> Medu
     return heads.eval()
 
 
-def check_fits(heads: MedusaHeads | EagleHead, backbone: PreTrainedModel) -> None:
+def check_fits(heads: DraftHeads, backbone: PreTrainedModel) -> None:
     """Raise a MedusaError naming every size that differs between heads and backbone."""
     text_config = backbone.config.get_text_config()
     vocab = backbone.get_output_embeddings().weight.shape[0]
@@ -65,9 +75,10 @@ def check_fits(heads: MedusaHeads | EagleHead, backbone: PreTrainedModel) -> Non
 
 def untrained_heads(backbone: PreTrainedModel, name_or_path: str, num_heads: int = 4, num_layers: int = 1,
                     share_lm_head: bool = True, gguf_file: str | None = None, head_type: str = "medusa",
-                    draft_vocab: torch.Tensor | None = None) -> MedusaHeads | EagleHead:
-    """Fresh heads for `backbone`: each starts as exactly the backbone's LM head (restricted to `draft_vocab`,
-    token ids the heads guess among, when given). `head_type="eagle"`: a fresh one-layer drafter instead."""
+                    draft_vocab: torch.Tensor | None = None) -> DraftHeads:
+    """Fresh heads of `head_type` for `backbone`, starting from the backbone's own prediction (Medusa and Hydra
+    heads are then exactly its LM head, restricted to `draft_vocab`, token ids the heads guess among, if given)."""
+    kind = head_type_class(head_type)
     config = MedusaConfig(
         base_model_name_or_path=name_or_path,
         base_model_gguf_file=gguf_file,
@@ -78,20 +89,46 @@ def untrained_heads(backbone: PreTrainedModel, name_or_path: str, num_heads: int
         share_lm_head=share_lm_head,
         head_type=head_type,
         draft_vocab_size=None if draft_vocab is None else int(draft_vocab.numel()),
-        decoder_config=decoder_config_for(backbone.config) if head_type == "eagle" else None,
+        **kind.config_fields_for(backbone.config),
     )
-    heads = EagleHead(config) if head_type == "eagle" else MedusaHeads(config)
-    if head_type == "eagle":
-        heads.init_as_identity()
+    heads = kind(config)
     if draft_vocab is not None:
         heads.set_draft_vocab(draft_vocab)
-    if not share_lm_head:
-        heads.init_lm_heads_from(backbone.get_output_embeddings())
+    heads.init_from_backbone(backbone)
     return heads.to(device=backbone.device, dtype=backbone.dtype)
 
 
-def apply_adapter(backbone: PreTrainedModel, heads_path: str | Path, subfolder: str) -> PreTrainedModel:
-    """Merge the LoRA adapter saved with Medusa-2 heads into the backbone (merged: no extra cost per token)."""
+ADAPTER_FOLDER = "adapter"  # where the LoRA adapter of Medusa-2 heads lives inside the heads folder
+
+
+@dataclass
+class Adapter:
+    """A peft LoRA adapter trained with the heads (Medusa-2), kept after it was merged into the backbone so that
+    `MedusaModel.save_pretrained` can write it again."""
+
+    config: "PeftConfig"
+    weights: dict[str, torch.Tensor]  # peft's saved keys (no adapter name), as `get_peft_model_state_dict` gives
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write it as peft does: `adapter_config.json` and `adapter_model.safetensors`."""
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(str(folder))
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.weights.items()},
+                  str(Path(folder) / "adapter_model.safetensors"), metadata={"format": "pt"})
+
+
+def merge_adapter(adapted: "PeftModel") -> tuple[PreTrainedModel, Adapter]:
+    """A peft model -> (its backbone with the adapter merged in: no extra cost per token, the adapter)."""
+    from peft import get_peft_model_state_dict
+
+    adapter = Adapter(adapted.peft_config[adapted.active_adapter],
+                      {k: v.clone() for k, v in get_peft_model_state_dict(adapted).items()})
+    return adapted.merge_and_unload().eval().requires_grad_(False), adapter
+
+
+def load_adapter(backbone: PreTrainedModel, heads_path: str | Path,
+                 subfolder: str) -> tuple[PreTrainedModel, Adapter]:
+    """Merge the LoRA adapter saved with Medusa-2 heads into the backbone; returns it and the adapter."""
     from peft import PeftModel
 
     try:
@@ -99,26 +136,79 @@ def apply_adapter(backbone: PreTrainedModel, heads_path: str | Path, subfolder: 
     except (OSError, ValueError) as err:
         raise MedusaError(f"Cannot load the adapter `{subfolder}` saved with the heads `{heads_path}`: "
                           f"{first_line(err)}") from err
-    return adapted.merge_and_unload().eval().requires_grad_(False)
+    return merge_adapter(adapted)
+
+
+def save_heads(folder: str | Path, heads: DraftHeads, state_dict: dict | None = None, adapter=None,
+               store: NgramStore | None = None) -> Path:
+    r"""
+    Write a heads folder, the one `load_heads` and `MedusaModel.from_pretrained` read: `config.json` and
+    `model.safetensors`, the LoRA adapter in `adapter/` (anything with `save_pretrained(folder)`: an `Adapter` or a
+    peft model) and the n-gram store. Written beside, then renamed: a failure leaves an existing folder whole.
+
+    Args:
+        state_dict: the heads' weights when they are not `heads.state_dict()` (gathered from ranks under ZeRO-3).
+    """
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".tmp-{folder.name}-"))
+    try:
+        heads.config.base_model_adapter = ADAPTER_FOLDER if adapter is not None else None
+        heads.save_pretrained(tmp, state_dict=state_dict)
+        if adapter is not None:
+            adapter.save_pretrained(tmp / ADAPTER_FOLDER)
+        if store is not None:
+            store.save(tmp)
+        if folder.exists():
+            old = folder.with_name(f".old-{folder.name}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(folder, old)
+            os.replace(tmp, folder)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
 
 
 class MedusaModel(nn.Module):
     r"""
-    A frozen backbone and its Medusa heads, ready for `medusa_heads.inference.generate`.
+    A frozen backbone and its heads, ready for `medusa_heads.inference.generate`.
+
+    Args:
+        adapter: the LoRA adapter already merged into `backbone` (Medusa-2 heads), kept for `save_pretrained`.
+        ngram_store: the n-gram store of the heads; None: read from the heads' folder when first asked for.
 
     Example:
 
     >>> model = MedusaModel.from_pretrained("path/to/heads")  # backbone named in the heads' config
     >>> model = MedusaModel.from_pretrained("path/to/heads", base_model="path/to/backbone", dtype="bfloat16")
+    >>> model.save_pretrained("path/to/copy")  # heads, adapter and n-gram store; `from_pretrained` reads it back
     """
 
-    def __init__(self, backbone: PreTrainedModel, heads: MedusaHeads | EagleHead):
+    def __init__(self, backbone: PreTrainedModel, heads: DraftHeads, adapter: Adapter | None = None,
+                 ngram_store: NgramStore | None = None):
         super().__init__()
         check_fits(heads, backbone)
         self.backbone = backbone
         self.heads = heads
+        self.adapter = adapter
+        self._ngram_store = ngram_store
         # Shared heads project with the backbone's LM head, or a copy of its draft-vocabulary rows.
-        self.projection = heads.output_projection(backbone.get_output_embeddings()) if heads.lm_heads is None else None
+        shared = heads.config.share_lm_head
+        self.projection = heads.output_projection(backbone.get_output_embeddings()) if shared else None
+
+    @property
+    def ngram_store(self) -> NgramStore | None:
+        """The n-gram store saved with the heads (loaded once), or None when they have none."""
+        if self._ngram_store is None:
+            self._ngram_store = find_store(str(self.heads.name_or_path or ""))
+        return self._ngram_store
+
+    def save_pretrained(self, folder: str | Path) -> Path:
+        """Write the heads, their adapter and n-gram store: the exact inverse of `from_pretrained`."""
+        return save_heads(folder, self.heads, adapter=self.adapter, store=self.ngram_store)
 
     @property
     def config(self) -> MedusaConfig:
@@ -128,16 +218,11 @@ class MedusaModel(nn.Module):
     def device(self) -> torch.device:
         return self.backbone.device
 
-    @property
-    def is_eagle(self) -> bool:
-        """A one-layer drafter over the context (`EagleHead`) rather than heads on the last hidden state."""
-        return isinstance(self.heads, EagleHead)
-
     def require_heads(self, what: str) -> None:
-        """Raise a one-line error when `what` needs heads that draft from the last hidden state alone."""
-        if self.is_eagle:
-            raise MedusaError(f"{what} needs Medusa or Hydra heads (`--heads`); these are an EAGLE drafter, which "
-                              "drafts static trees only.")
+        """Raise a one-line error when `what` needs heads that score any path from the last hidden state."""
+        if self.heads.drafts_over_context:
+            raise MedusaError(f"{what} needs heads that draft from the last hidden state alone (`--heads`); these are "
+                              f"`{self.heads.head_type}` heads, which draft over the whole context: static trees only.")
 
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -160,7 +245,7 @@ class MedusaModel(nn.Module):
             first, with their log-probabilities under the head. Plain Medusa heads ignore the path.
         """
         depth = paths.shape[1] - 1
-        embeds = self.backbone.get_input_embeddings()(paths) if self.heads.is_hydra else None  # [N, d + 1, H]
+        embeds = self.backbone.get_input_embeddings()(paths) if self.heads.reads_tokens else None  # [N, d + 1, H]
         states = self.heads.head_state(depth, hidden, embeds)
         logprobs = torch.log_softmax(self.heads.project(depth, states, self.projection).float(), -1)
         top = logprobs.topk(k)
@@ -196,10 +281,11 @@ class MedusaModel(nn.Module):
             name = base_model or (heads.config.base_model_name_or_path if heads else None) or EMBEDDED_MODEL
             gguf = heads.config.base_model_gguf_file if heads and not base_model else None
             backbone = load_backbone(name, gguf_file=gguf, dtype=dtype, device=device)
+        adapter = None
         if heads is not None and heads.config.base_model_adapter:
-            backbone = apply_adapter(backbone, heads_path, heads.config.base_model_adapter)
+            backbone, adapter = load_adapter(backbone, heads_path, heads.config.base_model_adapter)
         if heads is None:
             logger.warning("No trained heads for `%s`: using %d untrained heads (exact, but few tokens accepted).",
                            name, num_heads)
             heads = untrained_heads(backbone, name, num_heads=num_heads, gguf_file=gguf)
-        return cls(backbone, heads.to(device=backbone.device, dtype=backbone.dtype))
+        return cls(backbone, heads.to(device=backbone.device, dtype=backbone.dtype), adapter)

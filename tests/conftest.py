@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import EMBEDDED_MODEL, MedusaModel, load_backbone, load_tokenizer
-from medusa_heads.cli import main
+from medusa_heads.apps.cli import main
 from medusa_heads.inference.generate import encode_prompt
 from medusa_heads.model import SHIPPED_HEADS, load_heads, shipped_heads, untrained_heads
 
@@ -16,6 +16,22 @@ from oracle import hf_greedy  # noqa: E402  (pytest puts tests/ on sys.path)
 MEDUSA_HEADS = SHIPPED_HEADS[EMBEDDED_MODEL].parent / "smollm2-135m-embedded-medusa"
 
 torch.set_num_threads(max(torch.get_num_threads(), 1))
+
+# Fixtures of this file that load the real SmolLM2 model: a test using one (directly or through another fixture)
+# is `slow`. `pytest -m "not slow"` is the quick tier; `.ci/run` runs everything.
+REAL_MODEL_FIXTURES = {"backbone", "model", "medusa_model", "untrained_model", "references", "random_hydra_model"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        for name in REAL_MODEL_FIXTURES & set(item.fixturenames):
+            definitions = info.name2fixturedefs.get(name, ())
+            if definitions and definitions[-1].func.__module__ == __name__:  # not a test file's own fixture
+                item.add_marker(pytest.mark.slow)
+                break
 
 # Chat prompts written for the tests (not the benchmark set).
 CHAT_PROMPTS = [
@@ -71,7 +87,7 @@ def model(backbone):
 def medusa_model(backbone):
     """The shipped heads of the other type: Medusa heads, each reading only the last hidden state."""
     heads = load_heads(MEDUSA_HEADS, dtype=torch.float32)
-    assert not heads.is_hydra
+    assert not heads.reads_tokens
     return MedusaModel(backbone, heads)
 
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from medusa_heads import MedusaError
-from medusa_heads.bench import make_methods, markdown, summarize
+from medusa_heads.apps.bench import make_methods, markdown, summarize
 from medusa_heads.inference import GenerationStats, MedusaDrafter, make_drafter
-from medusa_heads.inference.drafters import DecodeState
-from medusa_heads.inference.dynamic import AdaptiveDrafter, DynamicDrafter, interpolated_cost, relative_costs
+from medusa_heads.inference import DecodeState
+from medusa_heads.inference.drafters.dynamic import AdaptiveDrafter, DynamicDrafter, interpolated_cost, relative_costs
 from medusa_heads.inference.generate import encode_prompt
 from medusa_heads.tree import build_tree, load_tree, validate_tree
 
@@ -114,6 +114,7 @@ class ScriptedHeads:
 
     def __init__(self, model, prompt_len, reference, mode):
         self.config, self.device, self.backbone = model.config, model.device, model.backbone
+        self.require_heads = model.require_heads
         self.prompt_len, self.reference, self.mode = prompt_len, reference, mode
         self.done = 0
 
@@ -185,8 +186,8 @@ def test_costs():
 
 
 def test_make_drafter_and_bench_methods(model):
-    assert make_drafter(model, "cpu-8", name="dynamic", budget=8).tree.size == 9
-    assert make_drafter(model, "cpu-8", name="adaptive").tree.size == 33
+    assert make_drafter(model, "dynamic", budget=8).tree.size == 9
+    assert make_drafter(model, "adaptive").tree.size == 33
     assert list(make_methods(["dynamic:16", "adaptive", "adaptive:8"])) == ["hf", "dynamic:16", "adaptive", "adaptive:8"]
     with pytest.raises(MedusaError, match="positive integer"):
         make_methods(["dynamic:x"])
@@ -209,6 +210,7 @@ def test_bench_reports_acceptance_by_depth_and_rank():
     assert "| dynamic:16 | 0.67, 0.50 | 0.33, 0.33; 0.33 | 1: 0.33 0.33; 2: 0.33 |" in table
 
 
+@pytest.mark.slow  # the real model in a subprocess
 def test_cli_dynamic_and_adaptive():
     result = run_cli("generate", "--prompt", "Name three colors.", "--max-new-tokens", "12", "--json",
                      "--drafter", "dynamic", "--budget", "8")

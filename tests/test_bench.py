@@ -3,7 +3,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import MedusaError, MedusaModel
-from medusa_heads.bench import bench, make_methods, markdown, summarize, tree_families, write_report
+from medusa_heads.apps.bench import bench, make_methods, markdown, summarize, tree_families, write_report
 from medusa_heads.model import untrained_heads
 
 
@@ -48,7 +48,7 @@ def test_report_files(tmp_path):
 def test_prompt_selection(tmp_path):
     import json
 
-    from medusa_heads.bench import read_bench_prompts
+    from medusa_heads.apps.bench import read_bench_prompts
 
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps({"id": f"{c}-{i}", "category": c, "prompt": "hi"}) + "\n"
@@ -120,11 +120,11 @@ def test_method_names_and_their_errors():
         "medusa:exact@0.7": [("cpu-16", "medusa:cpu-16:exact@0.7")]}
     assert list(make_methods(["ngram", "early-exit:12", "draft-model:/a/b:3", "hf-assisted:/a/b"])) == [
         "hf", "ngram", "early-exit:12", "draft-model:/a/b:3", "hf-assisted:/a/b"]
-    for name, needle in [("draft-model:", "needs a draft model"), ("hf-assisted:", "needs a draft model"),
+    for name, needle in [("draft-model:", "needs DRAFT_MODEL"), ("hf-assisted:", "needs a draft model"),
                          ("early-exit:x", "positive integer"), ("ngram:0", "positive integer"),
                          ("early-exit:4:y", "positive integer"), ("lookahead", "Unknown method"),
                          ("medusa:cpu-8#nowhere", "no `--alt-heads nowhere=PATH`"),
-                         ("medusa:cpu-8:4", "only the n-gram branch takes a length"),
+                         ("medusa:cpu-8:4", "too many fields: it takes medusa\\[:TREE\\]"),
                          ("medusa+ngram:cpu-8:0", "positive integer")]:
         with pytest.raises(MedusaError, match=needle):
             make_methods([name])

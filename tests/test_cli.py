@@ -6,12 +6,16 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from medusa_heads import MedusaConfig, MedusaHeads
+from medusa_heads.inference.generate import encode_prompt
+
+from oracle import hf_greedy  # noqa: E402  (pytest puts tests/ on sys.path)
 
 
 def run_cli(*args, timeout=600):
-    cmd = [sys.executable, "-m", "medusa_heads.cli", *args]
+    cmd = [sys.executable, "-m", "medusa_heads.apps.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
 
 
@@ -27,14 +31,16 @@ def assert_clean_error(result, *needles):
 
 
 @pytest.mark.parametrize("drafter", ["medusa", "medusa+ngram"])
-def test_generate_json_on_the_embedded_default(drafter):
-    result = run_cli("generate", "--prompt", "Name three colors.", "--max-new-tokens", "12", "--json",
-                     "--drafter", drafter)
+def test_generate_json_on_the_embedded_default(drafter, backbone, tokenizer):
+    prompt = "Name three colors."
+    result = run_cli("generate", "--prompt", prompt, "--max-new-tokens", "12", "--json", "--drafter", drafter)
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
-    assert out["new_tokens"] == len(out["token_ids"]) == 12
-    assert out["steps"] >= 1 and out["mean_accepted_length"] >= 1.0 and out["tokens_per_second"] > 0
-    assert isinstance(out["text"], str) and out["text"]
+    assert out["token_ids"] == hf_greedy(backbone, encode_prompt(tokenizer, prompt), 12)  # fp32 greedy: exact
+    # the prefill commits the first token, then the steps what they accepted until 12 (the last step cut short)
+    lengths = out["accepted_lengths"]
+    assert out["new_tokens"] == 12 and sum(lengths[:-1]) < 11 <= sum(lengths)
+    assert out["text"] == tokenizer.decode(out["token_ids"], skip_special_tokens=True)
 
 
 def test_missing_heads_folder(cli, tmp_path):
@@ -73,6 +79,9 @@ def test_prompt_longer_than_the_context(cli):
 
 def test_bad_options(cli):
     assert_clean_error(cli("generate", "--prompt", "hi", "--dtype", "float8"), "Unknown dtype")
+    assert_clean_error(cli("generate", "--prompt", "hi", "--device", "tpu:x"), "Unknown device")
+    if not torch.cuda.is_available():
+        assert_clean_error(cli("generate", "--prompt", "hi", "--device", "cuda"), "is not available")
     assert_clean_error(cli("generate", "--prompt", "hi", "--max-new-tokens", "0"), "at least 1")
     assert_clean_error(cli("generate", "--prompt", "hi", "--acceptance", "typical", "--temperature", "-1"),
                        "temperature")

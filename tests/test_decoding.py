@@ -6,11 +6,10 @@ import random
 import pytest
 import torch
 
-from medusa_heads.inference import GreedyAcceptance, MedusaDrafter, TypicalAcceptance
+from medusa_heads.inference import (DecodeState, Draft, GreedyAcceptance, MedusaDrafter, TypicalAcceptance,
+                                    heads_drafter)
 from medusa_heads.inference.cache import new_cache
-from medusa_heads.inference.drafters import Draft, heads_drafter
 from medusa_heads.inference.generate import GenerationStats, encode_prompt, prefill, tree_decode_step, verify
-from medusa_heads.inference.drafters import DecodeState
 from medusa_heads.tree import build_tree, load_tree
 
 from oracle import REFERENCE_TOKENS, assert_exact, decode, explain_mismatch, hf_greedy  # noqa: E402
@@ -149,7 +148,7 @@ def test_ngram_lookup_by_hand():
 def test_medusa_plus_ngram_drafter_stays_exact(model, backbone, references, tree_name):
     from medusa_heads.inference import MedusaNgramDrafter
 
-    drafter = MedusaNgramDrafter(model, load_tree(tree_name), ngram_length=6)
+    drafter = MedusaNgramDrafter(heads_drafter(model, build_tree(load_tree(tree_name))), ngram_length=6)
     stats_all = assert_exact(model, backbone, references[:3], drafter)
     # repetitive greedy text: the n-gram branch is accepted somewhere
     assert max(s.mean_accepted_length for s in stats_all) > 1.2
@@ -173,5 +172,5 @@ def test_greedy_with_hydra_heads_equals_hf_generate(random_hydra_model, backbone
     from medusa_heads.inference import make_drafter
 
     for drafter in (MedusaDrafter(random_hydra_model, build_tree(load_tree("cpu-16"))),
-                    make_drafter(random_hydra_model, "cpu-8", ngram=True)):
+                    make_drafter(random_hydra_model, "medusa+ngram", tree="cpu-8")):
         assert_exact(random_hydra_model, backbone, references[:1], drafter)

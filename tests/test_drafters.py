@@ -8,7 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaFor
 
 from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.inference import DraftModelDrafter, EarlyExitDrafter, NgramDrafter, make_drafter
-from medusa_heads.inference.draft_model import early_exit_model
+from medusa_heads.inference.drafters.draft_model import early_exit_model
 from medusa_heads.model import untrained_heads
 
 from test_architectures import ARCHITECTURES  # noqa: E402  (pytest puts tests/ on sys.path)
@@ -69,18 +69,19 @@ def test_bad_drafter_options(model):
         EarlyExitDrafter(model, exit_layer=30)
     with pytest.raises(MedusaError, match="at least 1"):
         NgramDrafter(0)
-    with pytest.raises(MedusaError, match="chain needs at least 1 token"):
-        make_drafter(model, "cpu-8", name="medusa+ngram", draft_length=0)
+    with pytest.raises(MedusaError, match="must be an integer >= 1"):
+        make_drafter(model, "medusa+ngram", draft_length=0)
     other = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=1))
     with pytest.raises(MedusaError, match="vocabulary"):
         DraftModelDrafter(model, other)
-    with pytest.raises(MedusaError, match="needs a draft model"):
-        make_drafter(model, "cpu-8", name="draft-model")
+    with pytest.raises(MedusaError, match="needs `draft_model`"):
+        make_drafter(model, "draft-model")
     with pytest.raises(MedusaError, match="Unknown drafter"):
-        make_drafter(model, "cpu-8", name="lookahead")
+        make_drafter(model, "lookahead")
 
 
+@pytest.mark.slow  # the real model in a subprocess
 @pytest.mark.parametrize("drafter", [["ngram"], ["early-exit", "--exit-layer", "8"],
                                      ["draft-model", "--draft-model", "smollm2-135m-embedded"]])
 def test_generate_json_with(drafter):
@@ -96,9 +97,10 @@ def test_generate_json_with(drafter):
 @pytest.mark.parametrize("drafter, length", [("medusa", "4"), ("dynamic", "4"), ("medusa+ngram", "0")])
 def test_draft_length_needs_a_chain(cli, drafter, length):
     assert_clean_error(cli("generate", "--prompt", "hi", "--drafter", drafter, "--draft-length", length),
-                       "`--draft-length` takes a token count >= 1")
+                       "`draft_length` (--draft-length")
 
 
+@pytest.mark.slow  # the real model in a subprocess
 def test_generate_errors_for_drafter_options():
     assert_clean_error(run_cli("generate", "--prompt", "hi", "--drafter", "early-exit"), "--exit-layer")
     assert_clean_error(run_cli("generate", "--prompt", "hi", "--drafter", "draft-model", "--draft-model",

@@ -8,8 +8,8 @@ import torch
 
 from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward
-from medusa_heads.inference.drafters import DecodeState, MedusaDrafter, make_drafter
-from medusa_heads.inference.eagle import EagleDrafter
+from medusa_heads.inference import DecodeState, MedusaDrafter, make_drafter
+from medusa_heads.inference.drafters.eagle import EagleDrafter
 from medusa_heads.inference.generate import prefill
 from medusa_heads.inference.cache import new_cache
 from medusa_heads.model import SHIPPED_HEADS, load_heads, untrained_heads
@@ -82,7 +82,7 @@ def test_drafter_cache_stays_in_step_with_the_context(eagle_model, references):
 
 @pytest.mark.parametrize("ngram", [False, True])
 def test_decoding_with_the_eagle_drafter_is_exact(eagle_model, backbone, references, ngram):
-    drafter = make_drafter(eagle_model, "cpu-16", ngram=ngram)
+    drafter = make_drafter(eagle_model, "medusa+ngram" if ngram else "medusa", tree="cpu-16")
     stats = assert_exact(eagle_model, backbone, references[:2], drafter, new_tokens=64)
     assert all(s.steps > 0 for s in stats)
 
@@ -90,18 +90,18 @@ def test_decoding_with_the_eagle_drafter_is_exact(eagle_model, backbone, referen
 def test_the_shipped_eagle_drafter_is_exact_and_accepts(backbone, references):
     heads = load_heads(SHIPPED_HEADS[EMBEDDED_MODEL].parent / "smollm2-135m-embedded-eagle", dtype=torch.float32)
     shipped = MedusaModel(backbone, heads)
-    stats = assert_exact(shipped, backbone, references[:2], make_drafter(shipped, "eagle-cpu-16", ngram=True), 64)
+    stats = assert_exact(shipped, backbone, references[:2], make_drafter(shipped, "medusa+ngram", tree="eagle-cpu-16"), 64)
     # A random drafter commits about 1 token per forward; the trained one about 2 on these prompts.
     assert sum(s.mean_accepted_length for s in stats) / len(stats) > 1.5
 
 
 def test_eagle_drafter_errors(eagle_model, model):
     tree = build_tree(load_tree("cpu-16"))
-    with pytest.raises(MedusaError, match="Medusa or Hydra heads"):
+    with pytest.raises(MedusaError, match="draft from the last hidden state alone"):
         MedusaDrafter(eagle_model, tree)
-    with pytest.raises(MedusaError, match="Medusa or Hydra heads"):
-        make_drafter(eagle_model, "cpu-16", name="dynamic")
-    with pytest.raises(MedusaError, match="needs an EAGLE drafter"):
+    with pytest.raises(MedusaError, match="draft from the last hidden state alone"):
+        make_drafter(eagle_model, "dynamic")
+    with pytest.raises(MedusaError, match="needs a drafter over the context"):
         EagleDrafter(model, tree)
     with pytest.raises(MedusaError, match="deep"):
         EagleDrafter(eagle_model, build_tree([(0,) * d for d in range(1, 6)]))

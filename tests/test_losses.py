@@ -1,10 +1,11 @@
 import math
 
+import pytest
 import torch
 
 from medusa_heads.inference.acceptance import GreedyAcceptance
-from medusa_heads.inference.drafters import Draft
-from medusa_heads.training.losses import head_targets, head_weights, heads_loss, rank_hits, tree_walk
+from medusa_heads.inference.draft import Draft
+from medusa_heads.training.losses import head_targets, heads_loss, rank_hits, tree_walk
 from medusa_heads.tree import build_tree, load_tree
 
 
@@ -24,13 +25,18 @@ def test_targets_by_hand():
 
 
 def test_decay_weights_and_loss():
-    assert head_weights(3, 0.8) == [0.8, 0.8 ** 2, 0.8 ** 3]
     V = 5
     logits = [torch.zeros(2, V), torch.zeros(1, V)]
     labels = [torch.tensor([1, 2]), torch.tensor([3])]
     total, per_head = heads_loss(logits, labels, decay=0.5)
     assert torch.allclose(per_head[0], torch.tensor(math.log(V)))
     assert torch.allclose(total, torch.tensor(math.log(V) * (0.5 + 0.25)))
+    # head k weighs decay ** k: three heads with per-head losses 1, 2 and 3 (logits making p(label) = e^-k)
+    three = [torch.tensor([[0.0, -float(k)]]) for k in (1, 2, 3)]
+    total, per_head = heads_loss(three, [torch.tensor([1])] * 3, decay=0.8)
+    expected = [-math.log(math.exp(-k) / (1 + math.exp(-k))) for k in (1, 2, 3)]
+    assert [float(x) for x in per_head] == pytest.approx(expected)
+    assert float(total) == pytest.approx(sum(0.8 ** k * x for k, x in zip((1, 2, 3), expected)))
     teacher = [torch.randn(2, V), torch.randn(1, V)]
     _, kl = heads_loss(teacher, labels, kind="kl", teacher_logits=teacher)
     assert all(abs(float(x)) < 1e-6 for x in kl)

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from medusa_heads import MedusaError
-from medusa_heads.inference import MedusaNgramDrafter
-from medusa_heads.inference.drafters import heads_store
-from medusa_heads.inference.ngram_store import STORE_FILE, NgramStore, find_store, max_order
-from medusa_heads.tree import load_tree
+from medusa_heads.inference import MedusaNgramDrafter, heads_drafter
+from medusa_heads.inference.registry import heads_store
+from medusa_heads.ngram_store import STORE_FILE, NgramStore, find_store, max_order
+from medusa_heads.tree import build_tree, load_tree
 
 from conftest import MEDUSA_HEADS  # noqa: E402  (pytest puts tests/ on sys.path)
 from oracle import assert_exact  # noqa: E402
@@ -89,7 +89,7 @@ class CountingStore:
 
 def test_the_shipped_store_drafts_and_greedy_output_stays_exact(model, backbone, references):
     store = CountingStore(heads_store(model))
-    drafter = MedusaNgramDrafter(model, load_tree("cpu-16"), store=store)
+    drafter = MedusaNgramDrafter(heads_drafter(model, build_tree(load_tree("cpu-16"))), store=store)
     assert_exact(model, backbone, references[:2], drafter, NEW_TOKENS)
     assert store.used > 0  # the store's chains were verified, not only the context's
 
@@ -100,8 +100,8 @@ def test_a_store_of_the_answers_themselves_is_accepted(model, backbone, referenc
     refs = references[:1]
     oracle = NgramStore.build([ids[0].tolist() + ref for ids, ref in refs], model.config.vocab_size, max_n=4,
                               min_count=1)
-    plain = assert_exact(model, backbone, refs, MedusaNgramDrafter(model, load_tree("cpu-8")), NEW_TOKENS)
-    told = assert_exact(model, backbone, refs, MedusaNgramDrafter(model, load_tree("cpu-8"), store=oracle),
+    plain = assert_exact(model, backbone, refs, MedusaNgramDrafter(heads_drafter(model, build_tree(load_tree("cpu-8")))), NEW_TOKENS)
+    told = assert_exact(model, backbone, refs, MedusaNgramDrafter(heads_drafter(model, build_tree(load_tree("cpu-8"))), store=oracle),
                         NEW_TOKENS)
     assert sum(len(s.accepted_lengths) for s in told) < sum(len(s.accepted_lengths) for s in plain)
 

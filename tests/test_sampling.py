@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.inference import ExactAcceptance, TypicalAcceptance, Warper, generate_ids, make_acceptance
 from medusa_heads.inference.cache import new_cache
-from medusa_heads.inference.drafters import DecodeState, Draft
+from medusa_heads.inference import DecodeState, Draft
 from medusa_heads.inference.generate import prefill, verify
 from medusa_heads.model import untrained_heads
 from medusa_heads.tree import TreeBuffers, build_tree, load_tree
@@ -234,7 +234,7 @@ def test_duplicate_and_covering_children_by_hand():
 
 
 def test_bad_sampling_settings_are_one_line_errors(capsys):
-    from medusa_heads.cli import main
+    from medusa_heads.apps.cli import main
 
     with pytest.raises(MedusaError, match="use greedy"):
         make_acceptance("exact", temperature=0.0)
@@ -253,7 +253,7 @@ def test_bad_sampling_settings_are_one_line_errors(capsys):
 
 
 def test_bench_methods_can_sample():
-    from medusa_heads.bench import make_methods, markdown, summarize
+    from medusa_heads.apps.bench import make_methods, markdown, summarize
 
     methods = make_methods(["hf-sample@0.7", "medusa:cpu-16:exact@0.7", "medusa:cpu-16:typical@0.7"])
     assert list(methods) == ["hf", "hf-sample@0.7", "medusa:cpu-16:exact@0.7", "medusa:cpu-16:typical@0.7"]

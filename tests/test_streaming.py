@@ -1,5 +1,5 @@
 from medusa_heads.inference import GenerationStats, generate, stream
-from medusa_heads.inference.drafters import heads_drafter
+from medusa_heads.inference import heads_drafter
 from medusa_heads.tree import build_tree, load_tree
 
 

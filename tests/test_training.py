@@ -1,7 +1,9 @@
 """A real (short) training run on a tiny backbone built from a config, with the real tokenizer."""
 
+import dataclasses
 import json
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -11,8 +13,8 @@ import pytest
 import torch
 
 from medusa_heads import MedusaError, load_heads
-from medusa_heads.training.recipe import load_recipe
-from medusa_heads.training.trainer import get_lr, train
+from medusa_heads.training.recipe import TrainConfig, load_recipe
+from medusa_heads.training.trainer import batch_order, get_lr, micro_batch, train
 
 
 def recipe(tiny_backbone, data, out, **kw):
@@ -78,10 +80,75 @@ def test_recipe_errors(tmp_path):
     assert load_recipe(None, {"learning_rate": "2e-4", "share_lm_head": "false"}).share_lm_head is False
 
 
+# One bad value (or combination) per field of `TrainConfig`, and the field the error must name.
+BAD_VALUES = [
+    ("model", {"model": " "}), ("backbone_dtype", {"backbone_dtype": "float8"}), ("data", {"data": ""}),
+    ("max_length", {"max_length": 0}), ("held_out_fraction", {"held_out_fraction": 1.0}),
+    ("held_out_fraction", {"held_out_fraction": -0.1}), ("eval_data", {"eval_data": ""}),
+    ("num_heads", {"num_heads": 0}), ("num_layers", {"num_layers": -1}),
+    ("share_lm_head", {"share_lm_head": False, "head_type": "eagle"}), ("head_type", {"head_type": "mamba"}),
+    ("draft_vocab_size", {"draft_vocab_size": 0}), ("draft_vocab_coverage", {"draft_vocab_coverage": 0.0}),
+    ("draft_vocab_coverage", {"draft_vocab_coverage": 1.5}),
+    ("draft_vocab_size", {"draft_vocab_size": 100, "draft_vocab_coverage": 0.9}),
+    ("loss", {"loss": "mse"}), ("decay", {"decay": 0.0}), ("decay", {"decay": 1.5}),
+    ("loss_weighting", {"loss_weighting": "uniform"}), ("tree", {"loss_weighting": "tree"}), ("tree", {"tree": ""}),
+    ("learning_rate", {"learning_rate": 0.0}), ("learning_rate", {"learning_rate": -1e-3}),
+    ("weight_decay", {"weight_decay": -0.1}), ("warmup_steps", {"warmup_steps": -1}),
+    ("warmup_steps", {"warmup_steps": 60, "max_steps": 40}), ("max_steps", {"max_steps": 0}),
+    ("min_lr_ratio", {"min_lr_ratio": 1.5}), ("batch_size", {"batch_size": 0}),
+    ("gradient_accumulation_steps", {"gradient_accumulation_steps": 0}), ("grad_clip", {"grad_clip": -1.0}),
+    ("mixed_precision", {"mixed_precision": "fp8"}),
+    ("medusa2", {"medusa2": True, "cache_hidden_states": False, "head_type": "eagle"}),
+    ("lora_r", {"lora_r": 0}), ("lora_alpha", {"lora_alpha": 0}), ("lora_dropout", {"lora_dropout": 1.0}),
+    ("lora_target_modules", {"lora_target_modules": ""}), ("lora_target_modules", {"lora_target_modules": "q_proj,,v"}),
+    ("heads_loss_weight", {"heads_loss_weight": 0.0}), ("heads_warmup_steps", {"heads_warmup_steps": -1}),
+    ("cache_hidden_states", {"medusa2": True}), ("hidden_cache_dir", {"hidden_cache_dir": ""}),
+    ("output_dir", {"output_dir": ""}), ("checkpoint_every", {"checkpoint_every": 0}),
+    ("eval_every", {"eval_every": 0}), ("log_every", {"log_every": 0}), ("top_k", {"top_k": 0}),
+    ("top_k", {"top_k": 10, "draft_vocab_size": 5}), ("seed", {"seed": -1}),
+    ("deepspeed_config", {"deepspeed_config": ""}),
+    ("deepspeed_config", {"medusa2": True, "cache_hidden_states": False, "deepspeed_config": "ds.json"}),
+    ("report_to", {"report_to": " "}),
+    # wrong types, from a recipe, the command line or Python
+    ("max_steps", {"max_steps": "many"}), ("max_steps", {"max_steps": 2.5}), ("num_heads", {"num_heads": True}),
+    ("share_lm_head", {"share_lm_head": "maybe"}), ("learning_rate", {"learning_rate": None}),
+    ("model", {"model": 7}),
+]
+
+
+@pytest.mark.parametrize("field, values", BAD_VALUES, ids=[f"{f}-{i}" for i, (f, _) in enumerate(BAD_VALUES)])
+def test_each_bad_value_is_a_one_line_error_naming_its_field(field, values):
+    with pytest.raises(MedusaError) as err:
+        load_recipe(None, values)
+    assert re.search(f"`{field}[`:]", str(err.value)), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_every_field_is_checked():
+    assert {f.name for f in dataclasses.fields(TrainConfig)} == {field for field, _ in BAD_VALUES}
+
+
+def test_a_bad_override_on_the_command_line_exits_2_with_one_line(capsys):
+    from medusa_heads.training.__main__ import main
+
+    assert main(["--checkpoint_every", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "`checkpoint_every` must be at least 1" in err
+
+
 def test_lr_schedule():
     cfg = load_recipe(None, {"learning_rate": 1.0, "warmup_steps": 10, "max_steps": 110, "min_lr_ratio": 0.1})
     assert get_lr(0, cfg) == pytest.approx(0.1) and get_lr(9, cfg) == pytest.approx(1.0)
     assert get_lr(60, cfg) == pytest.approx(0.55) and get_lr(110, cfg) == pytest.approx(0.1)
+
+
+def test_processes_take_disjoint_micro_batches_of_one_shared_order():
+    cfg = load_recipe(None, {"batch_size": 4, "seed": 3})
+    assert [micro_batch(cfg, 26, p, 1, 0) for p in range(6)] == batch_order(26, 4, 0, 3)  # 6 batches an epoch
+    for world in (2, 3):
+        taken = [i for p in range(6 // world) for rank in range(world) for i in micro_batch(cfg, 26, p, world, rank)]
+        assert len(taken) == len(set(taken)) == 24  # one epoch: every batch once, by one process
+    assert micro_batch(cfg, 26, 3, 2, 0) == batch_order(26, 4, 1, 3)[0]  # then the next epoch's order
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -231,7 +298,8 @@ def test_eval_data_is_the_held_out_set(tiny_backbone, counting_data, tmp_path):
     for name, data in (("all", counting_data), ("rest", tmp_path / "train.jsonl")):
         out = tmp_path / name
         result = train(recipe(tiny_backbone, data, out, eval_data=str(tmp_path / "eval.jsonl"), max_steps=2,
-                              eval_every=2, held_out_fraction=0.5, hidden_cache_dir=str(out / "hidden")))
+                              warmup_steps=1, eval_every=2, held_out_fraction=0.5,
+                              hidden_cache_dir=str(out / "hidden")))
         positions.append(result["accuracies"]["positions"])
         assert len(list((out / "hidden").glob("*.safetensors"))) == 2  # the training set's and the held-out set's
     assert positions[0] == positions[1] and min(positions[0]) > 8 * 10
@@ -241,9 +309,9 @@ def test_eagle_drafter_trains_on_the_context_and_decodes_exactly(tiny_backbone, 
     """The same pairs: an EAGLE drafter reads the next token too, so it learns the copies; unrolled two deep,
     saved, loaded by `MedusaModel.from_pretrained` and decoding exactly like the backbone."""
     from medusa_heads import MedusaModel
+    from medusa_heads.apps.calibrate import load_calibration
     from medusa_heads.eagle import EagleHead
-    from medusa_heads.inference.calibrate import load_calibration
-    from medusa_heads.inference.eagle import EagleDrafter
+    from medusa_heads.inference.drafters.eagle import EagleDrafter
     from medusa_heads.inference.generate import encode_prompt
     from medusa_heads.tree import build_tree
 

@@ -10,10 +10,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import MedusaError, MedusaModel
-from medusa_heads.cli import main
-from medusa_heads.inference.calibrate import (Calibration, calibrate, load_calibration, parse_rows, read_rows,
+from medusa_heads.apps.cli import main
+from medusa_heads.apps.calibrate import (Calibration, calibrate, load_calibration, parse_rows, read_rows,
                                               to_conversations)
-from medusa_heads.inference.profile import LatencyProfile, cached_profile, load_profile, measure_profile, profile_path
+from medusa_heads.apps.profile import LatencyProfile, cached_profile, load_profile, measure_profile, profile_path
 from medusa_heads.model import untrained_heads
 from medusa_heads.tree import build_tree, load_tree
 from medusa_heads.tree.optimize import (choose_budget, expected_accepted_length, fit_tree, grow_tree,

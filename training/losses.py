@@ -41,11 +41,6 @@ def draft_labels(labels: torch.Tensor, vocab_index: torch.Tensor | None) -> torc
     return torch.where(labels >= 0, vocab_index[labels.clamp(min=0)], labels)
 
 
-def head_weights(num_heads: int, decay: float) -> list[float]:
-    """decay ** k for heads k = 1..K."""
-    return [decay ** (j + 1) for j in range(num_heads)]
-
-
 @torch.no_grad()
 def tree_walk(logits: list[torch.Tensor], labels: list[torch.Tensor],
               paths: tuple) -> tuple[torch.Tensor, torch.Tensor]:

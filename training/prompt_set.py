@@ -4,7 +4,7 @@ Written for medusa-heads and kept apart from the benchmark prompts (`make_prompt
 that shares a 4-word sequence with a prompt of the file given as `exclude`). Run as a script to rebuild
 `training/data/distill_prompts.jsonl`:
 
-    python -m medusa_heads.training.prompt_set --exclude ../shared/bench/prompts.jsonl
+    python -m medusa_heads.training.prompt_set --exclude benchmarks/prompts.jsonl
 """
 
 import argparse

@@ -7,14 +7,17 @@ from pathlib import Path
 
 import yaml
 
+from medusa_heads.backbone import parse_dtype
 from medusa_heads.errors import MedusaError
+from medusa_heads.head_types import HEAD_TYPES, head_type_class
 
 
 @dataclass
 class TrainConfig:
     # backbone
     model: str = "smollm2-135m-embedded"  # hub id, folder, or the embedded default
-    backbone_dtype: str = "bfloat16"  # the frozen backbone's dtype while making hidden states
+    backbone_dtype: str = "bfloat16"  # the frozen backbone's dtype while making hidden states (bf16: several times
+    # faster to make on a CPU)
     # data
     data: str = "training/data/distilled.jsonl"  # jsonl/json/parquet file or folder, or a hub dataset name
     max_length: int = 512  # tokens per conversation; longer ones are truncated (and counted in the log)
@@ -23,12 +26,15 @@ class TrainConfig:
     # heads
     num_heads: int = 4
     num_layers: int = 1
-    share_lm_head: bool = True  # False: each head owns a projection initialised from the backbone's
-    head_type: str = "medusa"  # medusa: hidden state only; hydra: also the path's tokens; eagle: one decoder layer
+    share_lm_head: bool = True  # False: each head owns a projection initialised from the backbone's (True: a few MB
+    # to ship, the projection is the backbone's own)
+    head_type: str = "medusa"  # in HEAD_TYPES. medusa: hidden state only; hydra: also the path's tokens; eagle: one
+    # decoder layer over the context
     draft_vocab_size: int | None = None  # heads guess among the N most frequent assistant tokens only
     draft_vocab_coverage: float | None = None  # ... or among as few as cover this share of them (e.g. 0.99)
     # objective
-    loss: str = "ce"  # ce: hard labels; kl: the backbone's own distribution (free from the same forward)
+    loss: str = "ce"  # ce: hard labels; kl: the backbone's own distribution (free from the same forward); kl was
+    # better calibrated but no better at acceptance in a first experiment
     decay: float = 0.8  # head k weighs decay ** k
     loss_weighting: str = "decay"  # decay, or acceptance: head k's loss counts as much as heads 1..k-1 were right;
     # or tree: head k's loss counts where the tree `tree` drafts depth k below the true path (its path loss)
@@ -36,12 +42,12 @@ class TrainConfig:
     # optimisation
     learning_rate: float = 1e-3
     weight_decay: float = 0.0
-    warmup_steps: int = 50
+    warmup_steps: int = 50  # linear warm-up to learning_rate, at most max_steps
     max_steps: int = 1000
     min_lr_ratio: float = 0.1  # cosine decay down to this share of learning_rate
     batch_size: int = 8  # conversations per micro-batch
     gradient_accumulation_steps: int = 1
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # max gradient norm; 0: no clipping
     mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
     # Medusa-2: LoRA adapters on the backbone train with the heads; the backbone keeps close to its original
     # self by KL to the same model with the adapters disabled (no second copy in memory)
@@ -51,7 +57,8 @@ class TrainConfig:
     lora_dropout: float = 0.0
     lora_target_modules: str = "q_proj,k_proj,v_proj,o_proj"  # comma-separated module names
     heads_loss_weight: float = 0.2  # lambda: total = backbone KL + lambda * heads loss
-    heads_warmup_steps: int = 100  # heads-only steps before the adapters start to train
+    heads_warmup_steps: int = 100  # heads-only steps before the adapters start to train, so that the fresh heads'
+    # early, large gradients do not reach the backbone
     # speed
     cache_hidden_states: bool = True  # the backbone is frozen: compute its hidden states once, reuse every epoch
     hidden_cache_dir: str | None = None  # where they are kept (default: ~/.cache/medusa-heads/hidden)
@@ -66,53 +73,111 @@ class TrainConfig:
     report_to: str | None = None  # e.g. tensorboard
 
     def __post_init__(self):
-        if self.loss not in ("ce", "kl"):
-            raise MedusaError(f"`loss` must be ce or kl, got {self.loss!r}.")
-        if self.head_type not in ("medusa", "hydra", "eagle"):
-            raise MedusaError(f"`head_type` must be medusa, hydra or eagle, got {self.head_type!r}.")
-        if self.head_type == "eagle" and (self.medusa2 or not self.share_lm_head):
-            raise MedusaError("`head_type: eagle` trains the drafter alone with the backbone's LM head: it needs "
-                              "`medusa2: false` and `share_lm_head: true`.")
-        if self.loss_weighting not in ("decay", "acceptance", "tree"):
-            raise MedusaError(f"`loss_weighting` must be decay, acceptance or tree, got {self.loss_weighting!r}.")
-        if self.loss_weighting == "tree" and self.tree is None:
-            raise MedusaError("`loss_weighting: tree` needs `tree`, the tree the heads are trained for.")
-        if self.draft_vocab_size is not None and self.draft_vocab_coverage is not None:
-            raise MedusaError("Give `draft_vocab_size` or `draft_vocab_coverage`, not both.")
-        if not 0 < self.decay <= 1:
-            raise MedusaError(f"`decay` must be in (0, 1], got {self.decay}.")
-        if self.num_heads < 1 or self.max_steps < 1 or self.batch_size < 1:
-            raise MedusaError("`num_heads`, `max_steps` and `batch_size` must be at least 1.")
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, _checked_type(f.name, getattr(self, f.name), f.type))
+        self._check_values()
+        self._check_combinations()
+
+    def _check_values(self) -> None:
+        """Each field alone: one sentence naming it."""
+        for name in ("model", "data", "output_dir", "lora_target_modules"):
+            _require(getattr(self, name).strip() != "", name, "must not be empty")
+        for name in ("eval_data", "tree", "hidden_cache_dir", "deepspeed_config", "report_to"):
+            _require(getattr(self, name) is None or getattr(self, name).strip() != "", name,
+                     "must be a non-empty string or null")
+        try:
+            parse_dtype(self.backbone_dtype)
+        except MedusaError:
+            raise MedusaError(f"`backbone_dtype` must be float32, bfloat16 or float16 (or fp32, bf16, fp16), got "
+                              f"{self.backbone_dtype!r}.") from None
+        _require(self.head_type in HEAD_TYPES, "head_type", f"must be one of {', '.join(HEAD_TYPES)}",
+                 self.head_type)
+        _require(self.loss in ("ce", "kl"), "loss", "must be ce or kl", self.loss)
+        _require(self.loss_weighting in ("decay", "acceptance", "tree"), "loss_weighting",
+                 "must be decay, acceptance or tree", self.loss_weighting)
+        _require(self.mixed_precision in ("no", "bf16", "fp16"), "mixed_precision", "must be no, bf16 or fp16",
+                 self.mixed_precision)
+        for name in ("max_length", "num_heads", "max_steps", "batch_size", "gradient_accumulation_steps", "lora_r",
+                     "lora_alpha", "checkpoint_every", "eval_every", "log_every", "top_k"):
+            _require(getattr(self, name) >= 1, name, "must be at least 1", getattr(self, name))
+        for name in ("num_layers", "warmup_steps", "heads_warmup_steps", "seed"):
+            _require(getattr(self, name) >= 0, name, "must be at least 0", getattr(self, name))
+        _require(self.draft_vocab_size is None or self.draft_vocab_size >= 1, "draft_vocab_size",
+                 "must be at least 1 (or null: the whole vocabulary)", self.draft_vocab_size)
+        _require(self.draft_vocab_coverage is None or 0 < self.draft_vocab_coverage <= 1, "draft_vocab_coverage",
+                 "must be in (0, 1] (or null)", self.draft_vocab_coverage)
+        _require(0 <= self.held_out_fraction < 1, "held_out_fraction", "must be in [0, 1)", self.held_out_fraction)
+        _require(0 < self.decay <= 1, "decay", "must be in (0, 1]", self.decay)
+        _require(self.learning_rate > 0, "learning_rate", "must be positive", self.learning_rate)
+        _require(self.weight_decay >= 0, "weight_decay", "must be at least 0", self.weight_decay)
+        _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
+        _require(self.grad_clip >= 0, "grad_clip", "must be at least 0 (0: no clipping)", self.grad_clip)
+        _require(0 <= self.lora_dropout < 1, "lora_dropout", "must be in [0, 1)", self.lora_dropout)
+        _require(all(m.strip() for m in self.lora_target_modules.split(",")), "lora_target_modules",
+                 "must be comma-separated module names", self.lora_target_modules)
+        _require(self.heads_loss_weight > 0, "heads_loss_weight", "must be positive", self.heads_loss_weight)
+
+    def _check_combinations(self) -> None:
+        """Fields that constrain each other; what a head type allows is read from its class."""
+        kind = head_type_class(self.head_type)
+        if not self.share_lm_head and not kind.can_own_lm_head:
+            raise MedusaError(f"`share_lm_head: false` is not possible with `head_type: {self.head_type}`, which "
+                              "scores with the backbone's LM head.")
+        if self.medusa2 and not kind.trains_with_adapter:
+            raise MedusaError(f"`medusa2` is not possible with `head_type: {self.head_type}`, which trains alone "
+                              "on the frozen backbone.")
         if self.medusa2 and self.cache_hidden_states:
             raise MedusaError("`medusa2` trains the backbone, so its hidden states change: set "
                               "`cache_hidden_states: false`.")
         if self.medusa2 and self.deepspeed_config:
             raise MedusaError("`medusa2` with `deepspeed_config` is not supported yet; use plain accelerate.")
-        if not 0 <= self.held_out_fraction < 1:
-            raise MedusaError(f"`held_out_fraction` must be in [0, 1), got {self.held_out_fraction}.")
+        if self.loss_weighting == "tree" and self.tree is None:
+            raise MedusaError("`loss_weighting: tree` needs `tree`, the tree the heads are trained for.")
+        if self.draft_vocab_size is not None and self.draft_vocab_coverage is not None:
+            raise MedusaError("Give `draft_vocab_size` or `draft_vocab_coverage`, not both.")
+        if self.draft_vocab_size is not None and self.top_k > self.draft_vocab_size:
+            raise MedusaError(f"`top_k` ({self.top_k}) must be at most `draft_vocab_size` ({self.draft_vocab_size}): "
+                              "the heads rank only that many tokens.")
+        if self.warmup_steps > self.max_steps:
+            raise MedusaError(f"`warmup_steps` ({self.warmup_steps}) must be at most `max_steps` ({self.max_steps}): "
+                              "the run would end before reaching `learning_rate`.")
 
 
-def _coerce(name: str, value, annotation):
-    """A recipe or command-line value -> the field's type (`int | None` fields take an int or null)."""
+def _require(ok: bool, name: str, rule: str, value=...) -> None:
+    if not ok:
+        raise MedusaError(f"`{name}` {rule}" + ("." if value is ... else f", got {value!r}."))
+
+
+def _checked_type(name: str, value, annotation):
+    """`value` if it has the field's type (an int is a float too; a bool is not an int), else a one-line error."""
     kinds = [k for k in typing.get_args(annotation) if k is not type(None)] or [annotation]
     kind = kinds[0]
-    if value is None or (isinstance(value, str) and value.lower() in ("null", "none") and kind is not str):
+    if value is None:
         if type(None) in typing.get_args(annotation):
             return None
         raise MedusaError(f"`{name}` takes a {kind.__name__}, not null.")
-    if isinstance(value, str) and kind is not str:
-        if kind is bool:
-            if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                raise MedusaError(f"`{name}` takes true or false, got {value!r}.")
-            return value.lower() in ("true", "1", "yes")
-        try:
-            return kind(value)
-        except ValueError:
-            raise MedusaError(f"`{name}` takes a {kind.__name__}, got {value!r}.") from None
-    if not isinstance(value, kind) and not (kind is float and isinstance(value, int)) or (
-            kind is not bool and isinstance(value, bool)):
+    if (isinstance(value, bool) and kind is not bool) or (
+            not isinstance(value, kind) and not (kind is float and isinstance(value, int))):
         raise MedusaError(f"`{name}` takes a {kind.__name__}, got {value!r}.")
     return float(value) if kind is float else value
+
+
+def _from_text(name: str, value: str, annotation):
+    """A command-line (or quoted YAML) string -> the field's type: `--max_steps 10`, `--eval_data null`."""
+    kinds = [k for k in typing.get_args(annotation) if k is not type(None)] or [annotation]
+    kind = kinds[0]
+    if kind is str:
+        return value
+    if value.lower() in ("null", "none"):
+        return None  # `_checked_type` refuses it where the field takes no null
+    if kind is bool:
+        if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+            raise MedusaError(f"`{name}` takes true or false, got {value!r}.")
+        return value.lower() in ("true", "1", "yes")
+    try:
+        return kind(value)
+    except ValueError:
+        raise MedusaError(f"`{name}` takes a {kind.__name__}, got {value!r}.") from None
 
 
 def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -> TrainConfig:
@@ -132,4 +197,4 @@ def load_recipe(path: str | Path | None = None, overrides: dict | None = None) -
     unknown = sorted(set(values) - set(types))
     if unknown:
         raise MedusaError(f"Unknown recipe key(s) {', '.join(unknown)}; known: {', '.join(types)}.")
-    return TrainConfig(**{k: _coerce(k, v, types[k]) for k, v in values.items()})
+    return TrainConfig(**{k: _from_text(k, v, types[k]) if isinstance(v, str) else v for k, v in values.items()})

@@ -1,4 +1,5 @@
-"""Medusa-1 training: the backbone is frozen, only the heads learn. Reads in the order it runs."""
+"""Head training (Medusa-1; Medusa-2 with `medusa2`). `train` at the bottom reads in the order a run goes:
+data, heads, accelerator, optimizer, the loop (batch_loss, evaluate, save_checkpoint), the saved heads."""
 
 import copy
 import json
@@ -8,23 +9,28 @@ import os
 import shutil
 import socket
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs, set_seed
+from torch import nn
 from tqdm import tqdm
-from transformers import DynamicCache
+from transformers import DynamicCache, PreTrainedModel
 
 from medusa_heads.backbone import backbone_forward, load_backbone, load_tokenizer
 from medusa_heads.eagle import unrolled_mask
 from medusa_heads.errors import MedusaError
-from medusa_heads.model import untrained_heads
+from medusa_heads.head_types import head_type_class
+from medusa_heads.heads import DraftHeads
+from medusa_heads.model import save_heads, untrained_heads
 from medusa_heads.tree import load_tree, validate_tree
 
-from .data import load_examples
-from .hidden_states import HiddenStateCache, compute_hidden, pad_batch
+from .data import Example, load_examples
 from .draft_vocab import frequent_tokens
+from .hidden_states import HiddenStateCache, compute_hidden, pad_batch
 from .losses import backbone_kl, draft_labels, follow_embeddings, head_targets, heads_loss, rank_hits, tree_walk
 from .recipe import TrainConfig
 
@@ -49,7 +55,8 @@ def batch_order(n_examples: int, batch_size: int, epoch: int, seed: int) -> list
 def heads_forward(heads, lm_head, embed, hidden, input_ids, loss_mask, cfg: TrainConfig, vocab_index=None):
     """-> (per-head logits [N, V_out], labels [N] and teacher logits or None) at the N positions where any
     head has a label; see `heads_loss` for the label codes. `heads` may be the prepared (DDP/DeepSpeed) module:
-    its own forward is called, the one a DDP wrapper syncs gradients for. `embed` is given for Hydra heads only."""
+    its own forward is called, the one a DDP wrapper syncs gradients for. `embed` is given for heads that read
+    tokens (`reads_tokens`) only."""
     labels, teacher_pos = head_targets(input_ids, loss_mask, cfg.num_heads)
     where = (labels != -100).any(dim=0)  # [B, T]
     dtype = next(heads.parameters()).dtype
@@ -117,29 +124,57 @@ def check_trackers(report_to: str | None) -> list[str] | None:
     return names
 
 
-def latest_checkpoint(output_dir: Path) -> Path | None:
-    done = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-    return done[-1] if done else None
+@dataclass
+class Data:
+    """The conversations and what is derived from them before any training."""
+
+    train_set: list[Example]
+    held_out: list[Example]
+    tree_paths: tuple | None  # the validated paths of `cfg.tree`
+    draft_vocab: torch.Tensor | None  # token ids the heads guess among (None: all)
 
 
-def train(cfg: TrainConfig, resume: bool = False) -> dict:
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, set_seed
+@dataclass
+class Run:
+    """What the steps of a run share once accelerate has prepared it."""
 
-    set_seed(cfg.seed)
-    output_dir = Path(cfg.output_dir)
+    cfg: TrainConfig
+    accelerator: Accelerator
+    data: Data
+    backbone: nn.Module  # frozen, or a peft model whose adapters train (medusa2)
+    heads: nn.Module  # as prepared: a DDP module or a DeepSpeed engine around the heads
+    lm_head: nn.Module  # the backbone's LM head (its draft-vocabulary rows), frozen: shared heads score with it
+    embed: nn.Module | None  # the frozen token embeddings, for heads that read tokens
+    vocab_index: torch.Tensor | None  # [V]: token id -> draft-vocabulary index, -1 outside it
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    trainable: list[nn.Parameter]  # what the gradient clip sees
+    train_cache: HiddenStateCache | None = None
+    held_cache: HiddenStateCache | None = None
+
+    @property
+    def kind(self) -> type[DraftHeads]:
+        return head_type_class(self.cfg.head_type)
+
+    @property
+    def raw_heads(self) -> nn.Module:
+        return self.accelerator.unwrap_model(self.heads)
+
+    @property
+    def output_dir(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+
+def check_setup(cfg: TrainConfig) -> list[str] | None:
+    """What can fail before any model loads: the DeepSpeed file and the trackers (-> accelerate's `log_with`)."""
     if cfg.deepspeed_config and not Path(cfg.deepspeed_config).is_file():
         raise MedusaError(f"DeepSpeed config `{cfg.deepspeed_config}` does not exist.")
-    trackers = check_trackers(cfg.report_to)
-    if cfg.deepspeed_config and "RANK" not in os.environ:
-        # Not started by a launcher: one process, so set up the rendezvous a launcher would have.
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
-    # Backbone (frozen), data and heads, made before the Accelerator: under ZeRO-3 anything built after it
-    # is partitioned on construction, and the frozen backbone must stay whole. Every check that can fail
-    # runs here, before any compute.
-    backbone = load_backbone(cfg.model, dtype=cfg.backbone_dtype)
-    tokenizer = load_tokenizer(cfg.model)
+    return check_trackers(cfg.report_to)
+
+
+def prepare_data(cfg: TrainConfig, backbone: PreTrainedModel, tokenizer) -> Data:
+    """Training and held-out conversations, the tree and the draft vocabulary; every check that can fail on the
+    data runs here, before any compute."""
     examples = load_examples(cfg.data, tokenizer, cfg.max_length)
     if cfg.eval_data:
         train_set, held_out = examples, load_examples(cfg.eval_data, tokenizer, cfg.max_length)
@@ -151,37 +186,54 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     tree_paths = validate_tree(load_tree(cfg.tree), num_heads=cfg.num_heads) if cfg.tree else None
     if len(train_set) < cfg.batch_size:
         raise MedusaError(f"Only {len(train_set)} training conversations for `batch_size` {cfg.batch_size}.")
-    draft_vocab, vocab_index = None, None
+    draft_vocab = None
     if cfg.draft_vocab_size or cfg.draft_vocab_coverage:
         vocab = backbone.get_output_embeddings().weight.shape[0]
         draft_vocab, covered = frequent_tokens(train_set, vocab, cfg.draft_vocab_size, cfg.draft_vocab_coverage)
-        vocab_index = torch.full((vocab,), -1, dtype=torch.long)
-        vocab_index[draft_vocab] = torch.arange(draft_vocab.numel())
         logger.info("draft vocabulary: %d tokens cover %.2f%% of the training targets", draft_vocab.numel(),
                     100 * covered)
+    return Data(train_set, held_out, tree_paths, draft_vocab)
+
+
+def build_heads(cfg: TrainConfig, backbone: PreTrainedModel,
+                draft_vocab: torch.Tensor | None) -> tuple[DraftHeads, nn.Module, nn.Module | None]:
+    """-> (fresh fp32 heads, the projection they score with, the token embeddings if they read tokens).
+    The heads train in fp32 (autocast for mixed precision); so do the frozen projection and embeddings they read."""
     heads = untrained_heads(backbone, cfg.model, cfg.num_heads, cfg.num_layers, cfg.share_lm_head,
                             head_type=cfg.head_type, draft_vocab=draft_vocab)
     heads = heads.to(torch.float32).train()
-    # The heads train in fp32 (autocast for mixed precision); so do the frozen projection and embeddings they read.
     lm_head = heads.output_projection(copy.deepcopy(backbone.get_output_embeddings()).float().requires_grad_(False))
-    reads_tokens = cfg.head_type in ("hydra", "eagle")
-    embed = copy.deepcopy(backbone.get_input_embeddings()).float().requires_grad_(False) if reads_tokens else None
-    forward = eagle_forward if cfg.head_type == "eagle" else heads_forward
-    if cfg.medusa2:
-        from peft import LoraConfig, get_peft_model
+    embed = None
+    if type(heads).reads_tokens:
+        embed = copy.deepcopy(backbone.get_input_embeddings()).float().requires_grad_(False)
+    return heads, lm_head, embed
 
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                          target_modules=[m.strip() for m in cfg.lora_target_modules.split(",")], task_type="CAUSAL_LM")
-        backbone = get_peft_model(backbone, lora)
 
-    # Accelerate (and DeepSpeed when configured), then optimizer and schedule.
+def add_adapters(cfg: TrainConfig, backbone: PreTrainedModel) -> PreTrainedModel:
+    """Medusa-2: LoRA adapters on the backbone, trained with the heads."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                      target_modules=[m.strip() for m in cfg.lora_target_modules.split(",")], task_type="CAUSAL_LM")
+    return get_peft_model(backbone, lora)
+
+
+def make_accelerator(cfg: TrainConfig, trackers: list[str] | None) -> Accelerator:
+    """An Accelerator over every launched process (DeepSpeed when configured); a process left alone is an error."""
+    if cfg.deepspeed_config and "RANK" not in os.environ:
+        # Not started by a launcher: one process, so set up the rendezvous a launcher would have.
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     plugin = DeepSpeedPlugin(hf_ds_config=cfg.deepspeed_config) if cfg.deepspeed_config else None
-    # cpu=True on a machine without an accelerator: only then does accelerate join launched processes over gloo
-    # (MULTI_CPU); without it each process trains alone with world size 1.
+    on_cpu = not torch.accelerator.is_available()
+    # On a machine without an accelerator accelerate finds no process-group backend of its own, and then counts
+    # each launched process alone (world size 1): cpu=True joins them over gloo (MULTI_CPU); under DeepSpeed, which
+    # cpu=True would switch off, naming gloo does.
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if plugin is not None and on_cpu else None
     accelerator = Accelerator(mixed_precision=cfg.mixed_precision, deepspeed_plugin=plugin,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-                              cpu=plugin is None and not torch.accelerator.is_available(),
-                              log_with=trackers, project_dir=str(output_dir))
+                              cpu=plugin is None and on_cpu, kwargs_handlers=handlers,
+                              log_with=trackers, project_dir=cfg.output_dir)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != launched:
         raise MedusaError(f"The launcher started {launched} processes but accelerate joined "
@@ -194,171 +246,294 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
         ds["train_batch_size"] = cfg.batch_size * cfg.gradient_accumulation_steps * accelerator.num_processes
     logger.info("world size %d (process %d), device %s%s", accelerator.num_processes, accelerator.process_index,
                 accelerator.device, f", DeepSpeed ZeRO-{plugin.zero_stage}" if plugin else "")
-    backbone.to(accelerator.device)
-    lm_head.to(accelerator.device)
-    if embed is not None:
-        embed.to(accelerator.device)
-    if vocab_index is not None:
-        vocab_index = vocab_index.to(accelerator.device)
+    return accelerator
 
+
+def make_optimizer(cfg: TrainConfig, heads: nn.Module,
+                   backbone: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler,
+                                                 list[nn.Parameter]]:
+    """-> (AdamW over the heads and any trainable backbone weights, its `get_lr` schedule, those parameters)."""
     trainable = list(heads.parameters()) + [p for p in backbone.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: get_lr(s, cfg) / cfg.learning_rate)
+    return optimizer, scheduler, trainable
+
+
+def draft_index(draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """[vocab_size]: each token's index in the draft vocabulary, -1 outside it."""
+    if draft_vocab is None:
+        return None
+    index = torch.full((vocab_size,), -1, dtype=torch.long)
+    index[draft_vocab] = torch.arange(draft_vocab.numel())
+    return index
+
+
+def prepare_run(cfg: TrainConfig, accelerator: Accelerator, data: Data, backbone: nn.Module, heads: nn.Module,
+                lm_head: nn.Module, embed: nn.Module | None) -> Run:
+    """Models on the device, the optimizer, accelerate's wrappers, the trackers and the hidden-state caches."""
+    if len(batch_order(len(data.train_set), cfg.batch_size, 0, cfg.seed)) < accelerator.num_processes:
+        raise MedusaError(f"Only {len(data.train_set)} training conversations for {accelerator.num_processes} "
+                          f"processes with `batch_size` {cfg.batch_size}: each process needs a batch of its own.")
+    device = accelerator.device
+    backbone.to(device)
+    lm_head.to(device)
+    if embed is not None:
+        embed.to(device)
+    vocab_index = draft_index(data.draft_vocab, backbone.get_output_embeddings().weight.shape[0])
+    if vocab_index is not None:
+        vocab_index = vocab_index.to(device)
+    optimizer, scheduler, trainable = make_optimizer(cfg, heads, backbone)
     if cfg.medusa2:  # the adapters are trained state too: checkpoints must hold them
         heads, backbone, optimizer, scheduler = accelerator.prepare(heads, backbone, optimizer, scheduler)
     else:
         heads, optimizer, scheduler = accelerator.prepare(heads, optimizer, scheduler)
-    raw_heads = accelerator.unwrap_model(heads)
     if cfg.report_to:
         accelerator.init_trackers("medusa-heads", config=asdict(cfg))
-
-    # Hidden states: computed once per set (training, held-out) when the backbone is frozen.
-    train_cache = held_cache = None
+    run = Run(cfg, accelerator, data, backbone, heads, lm_head, embed, vocab_index, optimizer, scheduler, trainable)
     if cfg.cache_hidden_states:
-        start = time.perf_counter()
-        folder = Path(cfg.hidden_cache_dir) if cfg.hidden_cache_dir else None
-        train_cache = HiddenStateCache.build(backbone, cfg.model, train_set, cfg.batch_size, folder)
-        if held_out:
-            held_cache = HiddenStateCache.build(backbone, cfg.model, held_out, cfg.batch_size, folder)
-        logger.info("hidden states ready in %.1f s", time.perf_counter() - start)
+        run.train_cache, run.held_cache = cache_hidden_states(run)
+    return run
 
-    def batch_inputs(examples: list, indices: list[int], cache: HiddenStateCache | None):
-        ids, mask, attn = pad_batch([examples[i] for i in indices])
-        hidden = cache.batch(indices) if cache else compute_hidden(backbone, ids, attn)
-        dev = accelerator.device
-        return hidden.to(dev), ids.to(dev), mask.to(dev)
 
-    def medusa2_loss(indices: list[int], warm: bool):
-        """Heads loss on the adapted backbone's hidden states, plus its KL to itself without adapters;
-        during the warm-up (`warm`) the heads alone train."""
-        ids, mask, attn = (t.to(accelerator.device) for t in pad_batch([train_set[i] for i in indices]))
-        with torch.set_grad_enabled(not warm):
-            student, hidden = backbone_forward(backbone, ids, None, attention_mask=attn)
-        logits, targets, teachers = forward(heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
-        heads_total, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers, cfg.loss_weighting,
-                                           tree_paths)
-        if warm:
-            return heads_total, per_head, mask
-        with torch.no_grad(), accelerator.unwrap_model(backbone).disable_adapter():
-            teacher, _ = backbone_forward(backbone, ids, None, attention_mask=attn)
-        return backbone_kl(student, teacher, mask) + cfg.heads_loss_weight * heads_total, per_head, mask
+def cache_hidden_states(run: Run) -> tuple[HiddenStateCache, HiddenStateCache | None]:
+    """The frozen backbone's hidden states of the training and held-out sets, computed once (or read from disk)."""
+    cfg, data = run.cfg, run.data
+    start = time.perf_counter()
+    folder = Path(cfg.hidden_cache_dir) if cfg.hidden_cache_dir else None
+    train_cache = HiddenStateCache.build(run.backbone, cfg.model, data.train_set, cfg.batch_size, folder)
+    held_cache = None
+    if data.held_out:
+        held_cache = HiddenStateCache.build(run.backbone, cfg.model, data.held_out, cfg.batch_size, folder)
+    logger.info("hidden states ready in %.1f s", time.perf_counter() - start)
+    return train_cache, held_cache
 
-    @torch.no_grad()
-    def evaluate() -> dict:
-        heads.eval()
-        hits = torch.zeros(cfg.num_heads, cfg.top_k, dtype=torch.long)
-        counts = torch.zeros(cfg.num_heads, dtype=torch.long)
-        steps = committed = 0
-        for b in range(0, len(held_out), cfg.batch_size):
-            idx = list(range(b, min(b + cfg.batch_size, len(held_out))))
-            hidden, ids, mask = batch_inputs(held_out, idx, held_cache)
-            with accelerator.autocast():
-                logits, targets, _ = forward(raw_heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
-            h, c = rank_hits(logits, targets, cfg.top_k)
-            hits += h
-            counts += c
-            if tree_paths is not None:
-                roots = targets[0] != -100  # a step's root: the token after it is an answer token
-                _, accepted = tree_walk(logits, targets, tree_paths)
-                steps += int(roots.sum())
-                committed += int(roots.sum()) + int(accepted[:, roots].sum())
-        heads.train()
-        per_rank = (hits.double() / counts.clamp(min=1)[:, None].double()).tolist()
-        # `top_k`, `positions` and `hits` are also calibration counts: `tree optimize --calibration` reads them
-        return {"num_heads": cfg.num_heads, "top_k": cfg.top_k, "positions": counts.tolist(), "hits": hits.tolist(),
-                "per_rank": per_rank,  # [head][rank]: share of positions whose label sat at that rank
-                "top1": [r[0] for r in per_rank], "top5": [sum(r[:5]) for r in per_rank],
-                # greedy verification of `tree` replayed on the held-out answers: tokens per step
-                **({"tree": cfg.tree, "tree_accepted_length": committed / max(steps, 1)} if tree_paths else {})}
 
-    # Resume: weights, optimizer, scheduler and RNG from the last complete checkpoint; data position from step.
-    step = 0
-    if resume:
-        last = latest_checkpoint(output_dir)
-        if last is None:
-            raise MedusaError(f"`--resume` found no checkpoint in `{output_dir}`.")
-        accelerator.load_state(str(last))
-        step = json.loads((last / "trainer.json").read_text())["step"]
-        logger.info("resumed from %s at step %d", last, step)
+def micro_batch(cfg: TrainConfig, n_train: int, position: int, world: int, rank: int) -> list[int]:
+    """The conversations of this process's micro-batch number `position`: process `rank` takes every
+    world-th batch of the order all processes share, epoch after epoch."""
+    per_epoch = max(len(batch_order(n_train, cfg.batch_size, 0, cfg.seed)) // world, 1)
+    epoch, index = divmod(position, per_epoch)
+    return batch_order(n_train, cfg.batch_size, epoch, cfg.seed)[index * world + rank]
 
-    def save_checkpoint() -> None:
-        # Written beside, then renamed: a kill leaves the previous checkpoint whole.
+
+def batch_inputs(run: Run, examples: list[Example], indices: list[int],
+                 cache: HiddenStateCache | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """-> hidden states [B, T, H] (cached, or from the backbone now), input ids and loss mask [B, T]."""
+    ids, mask, attn = pad_batch([examples[i] for i in indices])
+    hidden = cache.batch(indices) if cache else compute_hidden(run.backbone, ids, attn)
+    device = run.accelerator.device
+    return hidden.to(device), ids.to(device), mask.to(device)
+
+
+def draft_forward(run: Run, heads: nn.Module, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor):
+    """`heads_forward`, or `eagle_forward` for a drafter trained unrolled over the context."""
+    forward = eagle_forward if run.kind.drafts_over_context else heads_forward
+    return forward(heads, run.lm_head, run.embed, hidden, ids, mask, run.cfg, run.vocab_index)
+
+
+def draft_loss(run: Run, hidden: torch.Tensor, ids: torch.Tensor,
+               mask: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The heads' loss (weighted total, per head) on a batch's hidden states."""
+    cfg = run.cfg
+    logits, targets, teachers = draft_forward(run, run.heads, hidden, ids, mask)
+    return heads_loss(logits, targets, cfg.decay, cfg.loss, teachers, cfg.loss_weighting, run.data.tree_paths)
+
+
+def medusa2_loss(run: Run, indices: list[int], warm: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Heads loss on the adapted backbone's hidden states, plus its KL to itself without adapters; during the
+    warm-up (`warm`) the heads alone train."""
+    ids, mask, attn = (t.to(run.accelerator.device) for t in pad_batch([run.data.train_set[i] for i in indices]))
+    with torch.set_grad_enabled(not warm):
+        student, hidden = backbone_forward(run.backbone, ids, None, attention_mask=attn)
+    heads_total, per_head = draft_loss(run, hidden, ids, mask)
+    if warm:
+        return heads_total, per_head
+    with torch.no_grad(), run.accelerator.unwrap_model(run.backbone).disable_adapter():
+        teacher, _ = backbone_forward(run.backbone, ids, None, attention_mask=attn)
+    return backbone_kl(student, teacher, mask) + run.cfg.heads_loss_weight * heads_total, per_head
+
+
+def batch_loss(run: Run, indices: list[int], step: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One micro-batch of training conversations -> (loss, per-head losses): the heads' on the frozen
+    backbone's hidden states, or Medusa-2's."""
+    if run.cfg.medusa2:
+        return medusa2_loss(run, indices, warm=step < run.cfg.heads_warmup_steps)
+    return draft_loss(run, *batch_inputs(run, run.data.train_set, indices, run.train_cache))
+
+
+def train_step(run: Run, step: int) -> tuple[float, list[float], int]:
+    """One optimizer step over `gradient_accumulation_steps` micro-batches -> (the last micro-batch's loss and
+    per-head losses, answer tokens trained on)."""
+    cfg, accelerator = run.cfg, run.accelerator
+    tokens = 0
+    for micro in range(cfg.gradient_accumulation_steps):
+        indices = micro_batch(cfg, len(run.data.train_set), step * cfg.gradient_accumulation_steps + micro,
+                              accelerator.num_processes, accelerator.process_index)
+        with accelerator.accumulate(run.heads), accelerator.autocast():
+            loss, per_head = batch_loss(run, indices, step)
+            if not torch.isfinite(loss):
+                last = latest_checkpoint(run.output_dir)
+                raise MedusaError(f"The loss became {loss.item()} at step {step}; stopped. The last good "
+                                  f"checkpoint is {last or 'none (none was written yet)'}.")
+            accelerator.backward(loss)
+            if accelerator.sync_gradients and cfg.grad_clip > 0:
+                accelerator.clip_grad_norm_(run.trainable, cfg.grad_clip)
+            run.optimizer.step()
+            run.scheduler.step()
+            run.optimizer.zero_grad()
+        tokens += sum(sum(run.data.train_set[i].loss_mask) for i in indices)
+    return loss.item(), [x.item() for x in per_head], tokens
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict:
+    """Held-out accuracy per head and rank (and the tree's accepted length when `tree` is set). Every process
+    evaluates the whole held-out set: under ZeRO-3 the heads' forward needs all of them."""
+    cfg, data = run.cfg, run.data
+    run.heads.eval()
+    hits = torch.zeros(cfg.num_heads, cfg.top_k, dtype=torch.long)
+    counts = torch.zeros(cfg.num_heads, dtype=torch.long)
+    steps = committed = 0
+    for b in range(0, len(data.held_out), cfg.batch_size):
+        idx = list(range(b, min(b + cfg.batch_size, len(data.held_out))))
+        hidden, ids, mask = batch_inputs(run, data.held_out, idx, run.held_cache)
+        with run.accelerator.autocast():
+            logits, targets, _ = draft_forward(run, run.raw_heads, hidden, ids, mask)
+        h, c = rank_hits(logits, targets, cfg.top_k)
+        hits += h
+        counts += c
+        if data.tree_paths is not None:
+            roots = targets[0] != -100  # a step's root: the token after it is an answer token
+            _, accepted = tree_walk(logits, targets, data.tree_paths)
+            steps += int(roots.sum())
+            committed += int(roots.sum()) + int(accepted[:, roots].sum())
+    run.heads.train()
+    per_rank = (hits.double() / counts.clamp(min=1)[:, None].double()).tolist()
+    # `top_k`, `positions` and `hits` are also calibration counts: `tree optimize --calibration` reads them
+    return {"num_heads": cfg.num_heads, "top_k": cfg.top_k, "positions": counts.tolist(), "hits": hits.tolist(),
+            "per_rank": per_rank,  # [head][rank]: share of positions whose label sat at that rank
+            "top1": [r[0] for r in per_rank], "top5": [sum(r[:5]) for r in per_rank],
+            # greedy verification of `tree` replayed on the held-out answers: tokens per step
+            **({"tree": cfg.tree, "tree_accepted_length": committed / max(steps, 1)} if data.tree_paths else {})}
+
+
+def log_progress(run: Run, step: int, loss: float, per_head: list[float], tokens_per_second: float) -> None:
+    logger.info("step %d loss %.4f per head %s lr %.2e %.0f tokens/s", step, loss,
+                " ".join(f"{x:.3f}" for x in per_head), run.scheduler.get_last_lr()[0], tokens_per_second)
+    if run.cfg.report_to:
+        run.accelerator.log({"loss": loss, **{f"loss_head{j + 1}": x for j, x in enumerate(per_head)}}, step=step)
+
+
+def log_accuracy(run: Run, step: int, accuracies: dict) -> None:
+    logger.info("held-out top-1 per head %s, top-5 %s%s", " ".join(f"{a:.3f}" for a in accuracies["top1"]),
+                " ".join(f"{a:.3f}" for a in accuracies["top5"]),
+                f", accepted length on {run.cfg.tree} {accuracies['tree_accepted_length']:.3f}" if run.cfg.tree else "")
+    if run.cfg.report_to:
+        run.accelerator.log({f"held_out_top1_head{j + 1}": a for j, a in enumerate(accuracies["top1"])}, step=step)
+
+
+def latest_checkpoint(output_dir: Path) -> Path | None:
+    done = sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+    return done[-1] if done else None
+
+
+def save_checkpoint(run: Run, step: int) -> None:
+    """Every process writes its part (its RNG state; under DeepSpeed its shard of the weights and optimizer)
+    into one temporary folder, then process 0 completes it and renames it: a kill at any point leaves the
+    previous checkpoint whole. Every process must call this (DeepSpeed's save is collective), with the same
+    `output_dir` on a file system they share."""
+    accelerator, output_dir = run.accelerator, run.output_dir
+    tmp = output_dir / f".tmp-checkpoint-{step}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a killed run
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (tmp / "trainer.json").write_text(json.dumps({"step": step, "config": asdict(run.cfg)}, indent=1))
         final = output_dir / f"checkpoint-{step}"
-        tmp = output_dir / f".tmp-checkpoint-{step}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.save_state(str(tmp))
-        (tmp / "trainer.json").write_text(json.dumps({"step": step, "config": asdict(cfg)}, indent=1))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in sorted(output_dir.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[:-2]:
             shutil.rmtree(old)
+    accelerator.wait_for_everyone()  # no process starts the next step (or a resume) before the folder is whole
 
-    # Each process takes its own micro-batches: rank r gets every world-size-th batch of the shared order.
-    world, rank = accelerator.num_processes, accelerator.process_index
-    per_epoch = max(len(batch_order(len(train_set), cfg.batch_size, 0, cfg.seed)) // world, 1)
-    history, acc = [], None
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step", disable=not accelerator.is_main_process)
+
+def load_checkpoint(run: Run) -> int:
+    """Weights, optimizer, scheduler and each process's own RNG state (and DeepSpeed shard) from the last
+    complete checkpoint -> its step; the data position follows from the step."""
+    last = latest_checkpoint(run.output_dir)
+    if last is None:
+        raise MedusaError(f"`--resume` found no checkpoint in `{run.output_dir}`.")
+    run.accelerator.load_state(str(last))
+    step = json.loads((last / "trainer.json").read_text())["step"]
+    logger.info("resumed from %s at step %d", last, step)
+    return step
+
+
+def train_loop(run: Run, step: int) -> tuple[list[dict], dict | None, float]:
+    """Steps from `step` to `max_steps`, logging, evaluating and checkpointing on schedule -> (the loss curve,
+    the last held-out accuracies or None, training tokens per second of this process)."""
+    cfg = run.cfg
+    history, accuracies = [], None
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step",
+               disable=not run.accelerator.is_main_process)
     tokens, t0 = 0, time.perf_counter()
     while step < cfg.max_steps:
-        for micro in range(cfg.gradient_accumulation_steps):
-            position = step * cfg.gradient_accumulation_steps + micro
-            epoch, index = divmod(position, per_epoch)
-            indices = batch_order(len(train_set), cfg.batch_size, epoch, cfg.seed)[index * world + rank]
-            with accelerator.accumulate(heads), accelerator.autocast():
-                if cfg.medusa2:
-                    loss, per_head, mask = medusa2_loss(indices, warm=step < cfg.heads_warmup_steps)
-                else:
-                    hidden, ids, mask = batch_inputs(train_set, indices, train_cache)
-                    logits, targets, teachers = forward(heads, lm_head, embed, hidden, ids, mask, cfg, vocab_index)
-                    loss, per_head = heads_loss(logits, targets, cfg.decay, cfg.loss, teachers,
-                                                cfg.loss_weighting, tree_paths)
-                if not torch.isfinite(loss):
-                    last = latest_checkpoint(output_dir)
-                    raise MedusaError(f"The loss became {loss.item()} at step {step}; stopped. The last good "
-                                      f"checkpoint is {last or 'none (none was written yet)'}.")
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and cfg.grad_clip > 0:
-                    accelerator.clip_grad_norm_(trainable, cfg.grad_clip)
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad()
-            tokens += int(mask.sum())
+        loss, per_head, n = train_step(run, step)
+        tokens += n
         step += 1
-        history.append({"step": step, "loss": loss.item(), "per_head": [x.item() for x in per_head]})
+        history.append({"step": step, "loss": loss, "per_head": per_head})
         bar.update(1)
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = tokens / (time.perf_counter() - t0)
-            bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{rate:.0f}")
-            logger.info("step %d loss %.4f per head %s lr %.2e %.0f tokens/s", step, loss.item(),
-                        " ".join(f"{float(x):.3f}" for x in per_head), scheduler.get_last_lr()[0], rate)
-            if cfg.report_to:
-                accelerator.log({"loss": loss.item(), **{f"loss_head{j + 1}": float(x) for j, x in
-                                                          enumerate(per_head)}}, step=step)
-        if held_out and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-            acc = evaluate()
-            history[-1]["held_out_top1"] = acc["top1"]
-            logger.info("held-out top-1 per head %s, top-5 %s%s", " ".join(f"{a:.3f}" for a in acc["top1"]),
-                        " ".join(f"{a:.3f}" for a in acc["top5"]),
-                        f", accepted length on {cfg.tree} {acc['tree_accepted_length']:.3f}" if cfg.tree else "")
-            if cfg.report_to:
-                accelerator.log({f"held_out_top1_head{j + 1}": a for j, a in enumerate(acc["top1"])}, step=step)
-        if step % cfg.checkpoint_every == 0 and accelerator.is_main_process:
-            save_checkpoint()
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
+            log_progress(run, step, loss, per_head, rate)
+        if run.data.held_out and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+            accuracies = evaluate(run)
+            history[-1]["held_out_top1"] = accuracies["top1"]
+            log_accuracy(run, step, accuracies)
+        if step % cfg.checkpoint_every == 0:
+            save_checkpoint(run, step)
     bar.close()
+    return history, accuracies, tokens / (time.perf_counter() - t0)
 
+
+def save_results(run: Run, history: list[dict], accuracies: dict | None, tokens_per_second: float) -> dict:
+    """Process 0 writes the trained heads (and Medusa-2's adapter), their held-out accuracies and the loss curve
+    -> what `train` returns."""
+    accelerator, output_dir = run.accelerator, run.output_dir
     accelerator.wait_for_everyone()
-    result = {"history": history, "train_tokens_per_second": tokens / (time.perf_counter() - t0)}
-    state_dict = accelerator.get_state_dict(heads)  # gathered from all ranks under ZeRO-3; every rank takes part
+    if run.data.held_out and accuracies is None:  # resumed at `max_steps`: no step ran
+        accuracies = evaluate(run)
+    result = {"history": history, "train_tokens_per_second": tokens_per_second}
+    state_dict = accelerator.get_state_dict(run.heads)  # gathered from all ranks under ZeRO-3; every rank takes part
     if accelerator.is_main_process:
-        final = output_dir / "heads"
-        if cfg.medusa2:
-            raw_heads.config.base_model_adapter = "adapter"
-            accelerator.unwrap_model(backbone).save_pretrained(final / "adapter")  # the adapter weights only
-        raw_heads.save_pretrained(final, state_dict=state_dict)
-        if held_out:
-            result["accuracies"] = acc if acc is not None else evaluate()  # the last step's, when it ran
-            (final / "head_accuracies.json").write_text(json.dumps(result["accuracies"], indent=1))
+        adapter = accelerator.unwrap_model(run.backbone) if run.cfg.medusa2 else None  # saves its weights only
+        final = save_heads(output_dir / "heads", run.raw_heads, state_dict, adapter=adapter)
+        if run.data.held_out:
+            result["accuracies"] = accuracies
+            (final / "head_accuracies.json").write_text(json.dumps(accuracies, indent=1))
         (output_dir / "history.json").write_text(json.dumps(history))
         logger.info("saved heads to %s", final)
     accelerator.end_training()
     return result
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> dict:
+    """Train heads as `cfg` says (continuing from the last checkpoint with `resume`) -> {"history": the loss
+    curve, "train_tokens_per_second", and "accuracies" on the held-out set when there is one}."""
+    set_seed(cfg.seed)
+    trackers = check_setup(cfg)
+    # Backbone (frozen), data and heads, made before the Accelerator: under ZeRO-3 anything built after it
+    # is partitioned on construction, and the frozen backbone must stay whole.
+    backbone = load_backbone(cfg.model, dtype=cfg.backbone_dtype)
+    data = prepare_data(cfg, backbone, load_tokenizer(cfg.model))
+    heads, lm_head, embed = build_heads(cfg, backbone, data.draft_vocab)
+    if cfg.medusa2:
+        backbone = add_adapters(cfg, backbone)
+    accelerator = make_accelerator(cfg, trackers)
+    run = prepare_run(cfg, accelerator, data, backbone, heads, lm_head, embed)
+    step = load_checkpoint(run) if resume else 0
+    history, accuracies, tokens_per_second = train_loop(run, step)
+    return save_results(run, history, accuracies, tokens_per_second)

@@ -9,6 +9,8 @@ from functools import lru_cache
 
 import torch
 
+from medusa_heads.errors import MedusaError
+
 from .spec import Path_, validate_tree
 
 
@@ -40,6 +42,13 @@ class TreeBuffers:
 
 def build_tree(paths, device: str | torch.device = "cpu") -> TreeBuffers:
     return canonical_tree(validate_tree(paths), device)
+
+
+def chain_tree(length: int, device: str | torch.device = "cpu") -> TreeBuffers:
+    """A root followed by `length` nodes in a line ([0], [0, 0], ...): the tree of a drafter that drafts a chain."""
+    if length < 1:
+        raise MedusaError(f"The draft length must be at least 1, got {length}.")
+    return canonical_tree(tuple((0,) * d for d in range(1, length + 1)), device)
 
 
 def canonical_tree(paths: tuple[Path_, ...], device: str | torch.device = "cpu") -> TreeBuffers:

@@ -1,4 +1,4 @@
-"""`medusa-heads`: generate with tree decoding, make self-distillation data."""
+"""`medusa-heads`: generate with tree decoding, benchmark, fit trees, make self-distillation data."""
 
 import argparse
 import json
@@ -8,8 +8,11 @@ from pathlib import Path
 
 from huggingface_hub.errors import StrictDataclassError
 
-from .backbone import first_line
-from .errors import MedusaError
+from medusa_heads.backbone import first_line
+from medusa_heads.errors import MedusaError
+from medusa_heads.inference.registry import ACCEPTANCE_RULES, DEFAULT_TREE, DRAFTERS, drafters_taking
+
+from .bench import method_syntax
 
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -27,24 +30,23 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     g.add_argument("--model", help="backbone hub id or folder (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--heads", help="heads folder or hub id (default: the heads shipped for the model)")
-    g.add_argument("--tree", default="cpu-8", help="a shipped tree name or a JSON file")
-    g.add_argument("--drafter", choices=["medusa", "medusa+ngram", "medusa+ngram+store", "ngram", "draft-model",
-                                         "early-exit", "dynamic", "adaptive"],
-                   default="medusa", help="medusa+ngram adds a prompt-lookup chain to the tree, verified in the same "
-                   "forward; medusa+ngram+store drafts that chain from the heads' n-gram store when the context has "
-                   "no match; ngram, draft-model and early-exit draft a chain without the heads")
-    g.add_argument("--draft-model", help="draft-model: a small LM with the backbone's tokenizer (hub id or folder)")
-    g.add_argument("--draft-length", type=int, help="ngram, draft-model, early-exit, the n-gram branch of "
-                   "medusa+ngram[+store]: tokens per chain (default: 6 for ngram and the branch, 4 for the others)")
-    g.add_argument("--exit-layer", type=int, help="early-exit: draft with the backbone's first N layers")
-    g.add_argument("--budget", type=int, help="dynamic: drafted nodes per step (default 16); adaptive: the most "
-                   "it may choose (default 32); the tree grows each step from the heads' confidence")
+    g.add_argument("--tree", help=f"{', '.join(drafters_taking('tree'))}: a shipped tree name or a JSON file "
+                   f"(default {DEFAULT_TREE})")
+    g.add_argument("--drafter", choices=list(DRAFTERS), default="medusa",
+                   help="; ".join(f"{name}: {spec.help}" for name, spec in DRAFTERS.items()))
+    g.add_argument("--draft-model", help=f"{', '.join(drafters_taking('draft_model'))}: a small LM with the "
+                   "backbone's tokenizer (hub id or folder)")
+    g.add_argument("--draft-length", type=int, help=f"{', '.join(drafters_taking('draft_length'))}: tokens per "
+                   "chain (default: 6 for the n-gram chains, 4 for the others)")
+    g.add_argument("--exit-layer", type=int, help=f"{', '.join(drafters_taking('exit_layer'))}: draft with the "
+                   "backbone's first N layers")
+    g.add_argument("--budget", type=int, help=f"{', '.join(drafters_taking('budget'))}: drafted nodes per step "
+                   "(dynamic: default 16; adaptive: the most it may choose, default 32)")
     g.add_argument("--stats", action="store_true", help="also print acceptance by depth and rank, the accepted-length "
                    "histogram and where paths were first rejected")
     g.add_argument("--max-new-tokens", type=int, default=128)
-    g.add_argument("--acceptance", choices=["greedy", "exact", "typical"], default="greedy",
-                   help="greedy: the backbone's greedy output; exact: sampling, exactly the backbone's distribution; "
-                   "typical: Medusa's faster, lossy sampling")
+    g.add_argument("--acceptance", choices=list(ACCEPTANCE_RULES), default="greedy",
+                   help="; ".join(f"{name}: {rule.help}" for name, rule in ACCEPTANCE_RULES.items()))
     g.add_argument("--temperature", type=float, default=0.0,
                    help="exact and typical acceptance: sampling temperature (typical: default 0.7)")
     g.add_argument("--epsilon", type=float, default=0.09, help="typical acceptance: hard threshold")
@@ -80,10 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="speed and acceptance of several methods side by side")
     b.add_argument("--prompts", type=Path, required=True, help="jsonl with `prompt` (and `category`) per line")
     b.add_argument("--methods", default="hf,hf-lookup,medusa:cpu-16,medusa+ngram:cpu-16",
-                   help="comma-separated: hf, hf-lookup[:N], hf-assisted:PATH, medusa:TREE, medusa+ngram:TREE, "
-                   "ngram[:N], draft-model:PATH[:N], early-exit:LAYERS[:N] (N: drafted tokens per step), dynamic[:N], "
-                   "adaptive[:N] (N: the node budget, the most for adaptive); sampling: hf-sample@T, "
-                   "medusa:TREE:exact@T, medusa:TREE:typical@T")
+                   help="comma-separated, each compared with HF greedy: the HF peers (hf, hf-sample@T, hf-lookup[:N], "
+                   "hf-assisted:PATH) and the drafters, NAME[:OPTION...] with the options of `generate` in this "
+                   "order: " + ", ".join(method_syntax(n) for n in DRAFTERS) + "; a drafter samples with a last "
+                   "field exact@T or typical@T; METHOD#LABEL uses the heads of --alt-heads LABEL=PATH")
     b.add_argument("--model", help="backbone (default: the embedded SmolLM2-135M-Instruct)")
     b.add_argument("--heads", help="heads folder (default: the heads shipped for the model)")
     b.add_argument("--alt-heads", action="append", default=[], metavar="LABEL=PATH",
@@ -135,8 +137,9 @@ def _bench(args) -> None:
     import torch
 
     from medusa_heads.backbone import load_backbone
-    from medusa_heads.bench import bench, markdown, read_bench_prompts, write_report
     from medusa_heads.model import MedusaModel
+
+    from .bench import bench, markdown, read_bench_prompts, write_report
 
     prompts = read_bench_prompts(args.prompts, args.limit, args.per_category)
     if any("=" not in pair for pair in args.alt_heads):
@@ -174,31 +177,24 @@ def _tokenizer(args, model):
 
 
 def _generate(args) -> None:
-    from medusa_heads.inference import generate, make_acceptance, make_drafter, stream
-    from medusa_heads.inference.generate import GenerationStats
+    from medusa_heads.inference import GenerationStats, generate, make_acceptance, make_drafter, stream
+    from medusa_heads.inference.registry import check_drafter_options
     from medusa_heads.model import MedusaModel
-    from medusa_heads.tree import load_tree
 
     if args.max_new_tokens < 1:
         raise MedusaError(f"`--max-new-tokens` must be at least 1, got {args.max_new_tokens}.")
-    load_tree(args.tree)  # a broken tree fails before the model loads
+    options = dict(tree=args.tree, draft_model=args.draft_model, draft_length=args.draft_length,
+                   exit_layer=args.exit_layer, budget=args.budget)
+    check_drafter_options(args.drafter, **options)  # bad options and broken trees fail before the model loads
     acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
                                  device=args.device, top_k=args.top_k, top_p=args.top_p)
-    if args.budget is not None and (args.drafter not in ("dynamic", "adaptive") or args.budget < 0):
-        raise MedusaError(f"`--budget` takes a node count >= 0 for --drafter dynamic or adaptive, got {args.budget} "
-                          f"with --drafter {args.drafter}.")
-    if args.draft_length is not None and (args.draft_length < 1 or args.drafter in ("medusa", "dynamic", "adaptive")):
-        raise MedusaError(f"`--draft-length` takes a token count >= 1 for a drafter with a chain (medusa+ngram, "
-                          f"medusa+ngram+store, ngram, draft-model, early-exit), got {args.draft_length} with "
-                          f"--drafter {args.drafter}.")
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     tokenizer = _tokenizer(args, model)
-    drafter = make_drafter(model, args.tree, name=args.drafter, draft_model=args.draft_model,
-                           draft_length=args.draft_length, exit_layer=args.exit_layer, budget=args.budget)
+    drafter = make_drafter(model, args.drafter, **options)
     if args.json:
         result = generate(model, tokenizer, args.prompt, drafter, acceptance, args.max_new_tokens, args.stop, args.raw)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, **result.stats.as_dict(),
-                          "tree": args.tree, "tree_nodes": drafter.tree.size, "drafter": args.drafter,
+                          "tree": args.tree or DEFAULT_TREE, "tree_nodes": drafter.tree.size, "drafter": args.drafter,
                           "acceptance": args.acceptance}))
         return
     stats = GenerationStats()
@@ -240,8 +236,8 @@ def _distill(args) -> None:
 
 
 def _ngram_store(args) -> None:
-    from medusa_heads.inference.ngram_store import NgramStore
     from medusa_heads.model import load_heads
+    from medusa_heads.ngram_store import NgramStore
     from medusa_heads.training.data import assistant_spans, load_examples
 
     if not args.heads.is_dir():
@@ -265,8 +261,9 @@ def _check_tree_args(args) -> None:
 
 
 def _profile(args) -> None:
-    from medusa_heads.inference.profile import cached_profile
     from medusa_heads.model import MedusaModel
+
+    from .profile import cached_profile
 
     _check_tree_args(args)
     try:
@@ -285,10 +282,11 @@ def _profile(args) -> None:
 
 
 def _tree(args) -> None:
-    from medusa_heads.inference.calibrate import calibrate, load_calibration, parse_rows, read_rows, to_conversations
-    from medusa_heads.inference.profile import cached_profile, load_profile
     from medusa_heads.model import MedusaModel
     from medusa_heads.tree.optimize import fit_tree, write_tree
+
+    from .calibrate import calibrate, load_calibration, parse_rows, read_rows, to_conversations
+    from .profile import cached_profile, load_profile
 
     _check_tree_args(args)
     if args.top_k < 1:

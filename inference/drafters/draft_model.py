@@ -1,4 +1,4 @@
-"""Drafters without Medusa heads: a separate small LM, the backbone's own first layers, prompt lookup.
+"""Drafters without heads that draft with a language model: a separate small LM, the backbone's own first layers.
 
 Each proposes a chain that the backbone verifies in one forward like any tree, so greedy acceptance keeps the
 output exactly the backbone's greedy output whatever the drafter guesses.
@@ -12,37 +12,9 @@ from transformers import DynamicCache, PreTrainedModel
 
 from medusa_heads.errors import MedusaError
 from medusa_heads.model import MedusaModel
-from medusa_heads.tree import TreeBuffers, build_tree
+from medusa_heads.tree import chain_tree
 
-from .drafters import DecodeState, Draft, Drafter, ngram_lookup
-
-
-def chain_tree(length: int, device: str | torch.device = "cpu") -> TreeBuffers:
-    """A root followed by `length` nodes in a line: [0], [0, 0], ..."""
-    return build_tree([(0,) * d for d in range(1, length + 1)], device)
-
-
-def _check_length(length: int) -> None:
-    if length < 1:
-        raise MedusaError(f"The draft length must be at least 1, got {length}.")
-
-
-class NgramDrafter:
-    """Prompt lookup alone: the tokens that followed the latest earlier match of the last n-gram, as a chain."""
-
-    def __init__(self, length: int = 6, max_ngram: int = 4, min_ngram: int = 2,
-                 device: str | torch.device = "cpu"):
-        _check_length(length)
-        self.tree = chain_tree(length, device)
-        self.length, self.max_ngram, self.min_ngram = length, max_ngram, min_ngram
-        self.device = device
-
-    def propose(self, state: DecodeState) -> Draft:
-        follow = ngram_lookup(state.token_ids, self.length, self.max_ngram, self.min_ngram)
-        # No match: one guess (the root again) keeps the step a plain one-token step at the cost of one node.
-        follow = follow or [state.root]
-        tokens = torch.tensor([state.root] + follow, device=self.device)
-        return Draft(chain_tree(len(follow), self.device), tokens)
+from ..draft import DecodeState, Draft
 
 
 class DraftModelDrafter:
@@ -62,7 +34,6 @@ class DraftModelDrafter:
     """
 
     def __init__(self, model: MedusaModel, draft: PreTrainedModel, length: int = 4):
-        _check_length(length)
         vocab, draft_vocab = (m.get_output_embeddings().weight.shape[0] for m in (model.backbone, draft))
         if vocab != draft_vocab:
             raise MedusaError(f"The draft model's vocabulary ({draft_vocab}) differs from the backbone's ({vocab}); "
@@ -144,25 +115,3 @@ class EarlyExitDrafter(DraftModelDrafter):
 
     def __init__(self, model: MedusaModel, exit_layer: int, length: int = 4):
         super().__init__(model, early_exit_model(model.backbone, exit_layer), length)
-
-
-def make_headless_drafter(model: MedusaModel, name: str, draft_model: str | PreTrainedModel | None = None,
-                          draft_length: int | None = None, exit_layer: int | None = None) -> Drafter:
-    """`ngram`, `draft-model` (`draft_model`: a loaded model or a hub id / folder) or `early-exit`, by name;
-    `draft_length` None: the drafter's default."""
-    length = {"length": draft_length} if draft_length is not None else {}
-    if name == "ngram":
-        return NgramDrafter(device=model.device, **length)
-    if name == "draft-model":
-        if draft_model is None:
-            raise MedusaError("The draft-model drafter needs a draft model (`--draft-model PATH`).")
-        if not isinstance(draft_model, PreTrainedModel):
-            from medusa_heads.backbone import load_backbone
-
-            draft_model = load_backbone(draft_model, dtype=model.backbone.dtype, device=model.device)
-        return DraftModelDrafter(model, draft_model, **length)
-    if name == "early-exit":
-        if exit_layer is None:
-            raise MedusaError("The early-exit drafter needs the layer to exit after (`--exit-layer N`).")
-        return EarlyExitDrafter(model, exit_layer, **length)
-    raise MedusaError(f"Unknown drafter `{name}`; use medusa, medusa+ngram, ngram, draft-model or early-exit.")

@@ -7,7 +7,8 @@ from medusa_heads.errors import MedusaError
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
 
-from .drafters import DecodeState, Draft, depth_plan
+from ..draft import DecodeState, Draft
+from .heads import depth_plan
 
 
 class EagleDrafter:
@@ -21,8 +22,9 @@ class EagleDrafter:
     """
 
     def __init__(self, model: MedusaModel, tree: TreeBuffers):
-        if not model.is_eagle:
-            raise MedusaError("EagleDrafter needs an EAGLE drafter (`head_type: eagle`), not Medusa heads.")
+        if not model.heads.drafts_over_context:
+            raise MedusaError(f"EagleDrafter needs a drafter over the context (`head_type: eagle`), not "
+                              f"`{model.heads.head_type}` heads.")
         if tree.max_depth > model.config.num_heads:
             raise MedusaError(f"The tree is {tree.max_depth} deep but the drafter was trained for "
                               f"{model.config.num_heads}: choose a shallower tree.")

@@ -30,10 +30,9 @@ from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers, build_tree
 from medusa_heads.tree.optimize import grow_tree
 
-from .acceptance import Accepted, GreedyAcceptance
-from .cache import new_cache
-from .drafters import Draft, DecodeState, MedusaDrafter
-from .generate import tree_decode_step
+from medusa_heads.inference import Accepted, DecodeState, Draft, GreedyAcceptance, MedusaDrafter
+from medusa_heads.inference.cache import new_cache
+from medusa_heads.inference.generate import tree_decode_step
 
 DEFAULT_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_CONTEXTS = (128, 512)

@@ -22,9 +22,11 @@ from medusa_heads.backbone import load_backbone
 from medusa_heads.errors import MedusaError, read_jsonl
 from medusa_heads.inference import GenerationStats, generate_ids, make_acceptance, make_drafter
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
-from medusa_heads.memory import PeakMemory
+from medusa_heads.inference.registry import ACCEPTANCE_RULES, DRAFTERS, INT_OPTIONS
 from medusa_heads.model import MedusaModel, load_heads
 from medusa_heads.tree import load_tree
+
+from .memory import PeakMemory
 
 
 @dataclass
@@ -81,17 +83,15 @@ def hf_sample_method(temperature: float):
     return run
 
 
-def drafter_method(name: str, tree: str = "", draft_model: str | None = None, drafts: DraftModels | None = None,
-                   sampling: tuple[str, float] | None = None, **options):
-    """Tree decoding with `make_drafter(model, tree, name=name, **options)`; `draft_model` is loaded by `drafts`.
-    `sampling`: (acceptance rule, temperature), seeded per run; greedy without it."""
+def drafter_method(name: str, options: dict, drafts: DraftModels, sampling: tuple[str, float] | None = None):
+    """Tree decoding with the registry's drafter `name` and `options` (a `draft_model` path is loaded once by
+    `drafts`). `sampling`: (acceptance rule, temperature), seeded per run; greedy without it."""
     drafters = {}
 
     def run(model, input_ids, max_new_tokens):
-        draft = drafts.get(draft_model, model) if draft_model is not None else None
+        draft = drafts.get(options["draft_model"], model) if "draft_model" in options else None
         if id(model) not in drafters:
-            extra = {"draft_model": draft} if draft is not None else {}
-            drafters[id(model)] = make_drafter(model, tree, name=name, **extra, **options)
+            drafters[id(model)] = make_drafter(model, name, **{**options, **({"draft_model": draft} if draft else {})})
         drafter = drafters[id(model)]
         stats = GenerationStats()
         eos = eos_token_ids(model, None)
@@ -102,12 +102,6 @@ def drafter_method(name: str, tree: str = "", draft_model: str | None = None, dr
         return Run(ids, time.perf_counter() - start, stats, drafter.tree.size,
                    weight_bytes(draft) if draft is not None else 0)
     return run
-
-
-def medusa_method(tree_name: str, drafter: str = "medusa", sampling: tuple[str, float] | None = None,
-                  draft_length: int | None = None):
-    """The heads' tree: `drafter` is medusa, medusa+ngram or medusa+ngram+store (its chain `draft_length` long)."""
-    return drafter_method(drafter, tree_name, sampling=sampling, draft_length=draft_length)
 
 
 def sampled(method: str) -> bool:
@@ -125,27 +119,43 @@ def _temperature(text: str, method: str) -> float:
     return value
 
 
-def _with_sampling(spec: str, method: str) -> tuple[str, tuple[str, float] | None]:
-    """`TREE[:RULE@T]` -> (TREE, (RULE, T)) for exact or typical sampling at T, (TREE, None) for greedy."""
-    tree, sep, tail = spec.rpartition(":")
-    if not sep or "@" not in tail:
-        return spec, None
-    rule, _, temperature = tail.partition("@")
-    if rule not in ("exact", "typical"):
-        raise MedusaError(f"Method `{method}` samples with exact@T or typical@T, not `{tail}`.")
-    return tree, (rule, _temperature(temperature, method))
-
-
 def _int(text: str, method: str) -> int:
     if not text.isdigit() or int(text) < 1:
         raise MedusaError(f"Method `{method}` needs a positive integer where it has `{text}`.")
     return int(text)
 
 
-def _with_length(spec: str, method: str) -> tuple[str, dict]:
-    """`X[:N]` -> (X, {"draft_length": N}, or {} without N)."""
-    head, sep, tail = spec.rpartition(":")
-    return (head, {"draft_length": _int(tail, method)}) if sep and tail.isdigit() else (spec, {})
+def method_syntax(name: str) -> str:
+    """`NAME[:FIELD]...` for a registry drafter, e.g. `medusa+ngram[:TREE][:DRAFT_LENGTH]`."""
+    spec = DRAFTERS[name]
+    return name + "".join(f":{o.upper()}" if o in spec.required else f"[:{o.upper()}]" for o in spec.options)
+
+
+HF_METHODS = "hf, hf-sample@T, hf-lookup[:N], hf-assisted:PATH"
+SAMPLING_RULES = " or ".join(f"{rule}@T" for rule in ACCEPTANCE_RULES if rule != "greedy")
+
+
+def parse_drafter_method(method: str) -> tuple[str, dict, tuple[str, float] | None]:
+    """`NAME[:FIELD...][:RULE@T]` -> (drafter name, options, (rule, temperature) or None for greedy). The fields
+    are the drafter's options in the registry's order, e.g. `medusa+ngram:cpu-16:10` or `early-exit:6:4`."""
+    name, *fields = method.split(":")
+    sampling = None
+    if fields and "@" in fields[-1]:
+        rule, _, temperature = fields.pop().partition("@")
+        if rule not in ACCEPTANCE_RULES or rule == "greedy":
+            raise MedusaError(f"Method `{method}` samples with {SAMPLING_RULES}, not `{rule}@`.")
+        sampling = (rule, _temperature(temperature, method))
+    spec = DRAFTERS[name]
+    if len(fields) > len(spec.options):
+        raise MedusaError(f"Method `{method}` has too many fields: it takes {method_syntax(name)}.")
+    options = {key: _int(value, method) if key in INT_OPTIONS else value
+               for key, value in zip(spec.options, fields) if value}
+    missing = [key for key in spec.required if key not in options]
+    if missing:
+        raise MedusaError(f"Method `{method}` needs {missing[0].upper()}: {method_syntax(name)}.")
+    if "tree" in options:
+        load_tree(options["tree"])  # fail now on a bad tree, not after the warm-up
+    return name, options, sampling
 
 
 def _make_method(name: str, drafts: DraftModels):
@@ -155,34 +165,17 @@ def _make_method(name: str, drafts: DraftModels):
     elif name.startswith("hf-sample@"):
         return hf_sample_method(_temperature(name.split("@", 1)[1], name))
     elif name.startswith("hf-lookup"):
-        return hf_method(int(name.split(":")[1]) if ":" in name else 10)
-    elif kind in ("medusa", "medusa+ngram", "medusa+ngram+store"):
-        spec, sampling = _with_sampling(spec, name)
-        tree, length = _with_length(spec, name)
-        if length and kind == "medusa":
-            raise MedusaError(f"Method `{name}`: only the n-gram branch takes a length (medusa+ngram:TREE:N).")
-        load_tree(tree)  # fail now on a bad tree, not after the warm-up
-        return medusa_method(tree, kind, sampling=sampling, **length)
-    elif kind == "ngram":
-        return drafter_method("ngram", **({"draft_length": _int(spec, name)} if spec else {}))
-    elif kind in ("draft-model", "hf-assisted") and not spec:
-        raise MedusaError(f"Method `{name}` needs a draft model: `{kind}:PATH`.")
-    elif kind == "draft-model":
-        path, length = _with_length(spec, name)
-        return drafter_method("draft-model", draft_model=path, drafts=drafts, **length)
+        return hf_method(_int(spec, name) if spec else 10)
     elif kind == "hf-assisted":
+        if not spec:
+            raise MedusaError(f"Method `{name}` needs a draft model: `{kind}:PATH`.")
         return hf_method(assistant=spec, drafts=drafts)
-    elif kind == "dynamic":
-        return drafter_method("dynamic", budget=_int(spec, name) if spec else None)
-    elif kind == "adaptive":
-        return drafter_method("adaptive", budget=_int(spec, name) if spec else None)
-    elif kind == "early-exit":
-        layers, length = _with_length(spec, name)
-        return drafter_method("early-exit", exit_layer=_int(layers, name), **length)
-    else:
-        raise MedusaError(f"Unknown method `{name}`; use hf, hf-sample@T, hf-lookup[:N], hf-assisted:PATH, "
-                          "medusa:TREE[:exact@T|:typical@T], medusa+ngram[+store]:TREE[:N][:...], ngram[:N], "
-                          "draft-model:PATH[:N], early-exit:LAYERS[:N], dynamic[:N] or adaptive[:N].")
+    elif kind in DRAFTERS:
+        drafter, options, sampling = parse_drafter_method(name)
+        return drafter_method(drafter, options, drafts, sampling)
+    raise MedusaError(f"Unknown method `{name}`; use {HF_METHODS}, or a drafter: "
+                      f"{', '.join(method_syntax(n) for n in DRAFTERS)}, each optionally followed by "
+                      f":{SAMPLING_RULES}.")
 
 
 def with_heads(method, heads_path: str):
@@ -464,12 +457,14 @@ def plot_report(result: dict, out: Path) -> list[Path]:
 
 
 def tree_families(summary: dict) -> dict[str, list[tuple[str, str]]]:
-    """Medusa methods grouped by everything in their name but the tree: {"medusa": [("cpu-8", "medusa:cpu-8")]}."""
+    """Methods of drafters on a static tree grouped by everything in their name but the tree:
+    {"medusa": [("cpu-8", "medusa:cpu-8")]}."""
     families = defaultdict(list)
     for name in summary:
         base, hashed, label = name.partition("#")  # other heads make another family
         kind, *rest = base.split(":")
-        if kind.startswith("medusa") and rest and summary[name].get("tree_nodes"):
+        takes_tree = kind in DRAFTERS and DRAFTERS[kind].options[:1] == ("tree",)
+        if takes_tree and rest and summary[name].get("tree_nodes"):
             families[":".join([kind] + rest[1:]) + hashed + label].append((rest[0], name))
     return dict(families)
 

@@ -1,6 +1,7 @@
 r"""
 Calibration: how often each head's guess of each rank is accepted, given that its parent was.
 
+An offline tree-fitting tool (`medusa-heads tree optimize`), not part of the runtime.
 The data are the backbone's own answers (self-distilled conversations), never the benchmark prompts. One
 backbone forward per conversation gives, at every position, the last hidden state and the greedy token
 after it. Each answer position t is then the root of a simulated step (hidden state at t - 1, root token

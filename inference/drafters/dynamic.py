@@ -21,12 +21,10 @@ import torch
 
 from medusa_heads.errors import MedusaError
 from medusa_heads.model import MedusaModel
-from medusa_heads.tree import TreeBuffers, validate_tree
-from medusa_heads.tree.buffers import canonical_tree
+from medusa_heads.tree import TreeBuffers, canonical_tree, validate_tree
 from medusa_heads.tree.spec import Path_
 
-from .acceptance import Accepted
-from .drafters import DecodeState, Draft
+from ..draft import Accepted, DecodeState, Draft
 
 DEFAULT_TOP_K = 8
 
@@ -81,6 +79,7 @@ class DynamicDrafter:
     """
 
     def __init__(self, model: MedusaModel, budget: int = 16, top_k: int = DEFAULT_TOP_K, max_depth: int | None = None):
+        model.require_heads("A dynamic tree")
         heads = model.config.num_heads
         max_depth = heads if max_depth is None else max_depth
         if not 1 <= max_depth <= heads:
@@ -269,14 +268,3 @@ class AdaptiveDrafter:
             mass = float(candidates.child_logprobs[d][row].exp().sum())
             self.hits[d] = self.decay * self.hits[d] + hit
             self.mass[d] = self.decay * self.mass[d] + mass
-
-
-def make_dynamic_drafter(model: MedusaModel, name: str, budget: int | None = None, top_k: int = DEFAULT_TOP_K,
-                         cost: Callable[[int], float] | Sequence[float] | None = None):
-    """`dynamic` (a `budget`-node tree, default 16) or `adaptive` (a budget of up to `budget`, default 32)."""
-    model.require_heads(f"The {name} drafter")
-    if name == "dynamic":
-        return DynamicDrafter(model, 16 if budget is None else budget, top_k)
-    if name == "adaptive":
-        return AdaptiveDrafter(model, 32 if budget is None else budget, top_k, cost)
-    raise MedusaError(f"Unknown dynamic drafter `{name}`; use dynamic or adaptive.")

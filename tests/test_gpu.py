@@ -1,0 +1,24 @@
+"""Tree decoding on a CUDA device: greedy exactness against HF `generate` on the same device (fp32)."""
+
+import pytest
+import torch
+
+from medusa_heads import EMBEDDED_MODEL, MedusaModel, load_backbone, load_heads
+from medusa_heads.inference import make_drafter
+from medusa_heads.inference.generate import encode_prompt
+from medusa_heads.model import shipped_heads
+
+from oracle import assert_exact, hf_greedy  # noqa: E402  (pytest puts tests/ on sys.path)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.slow,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+@pytest.mark.parametrize("drafter, options", [("medusa", {"tree": "cpu-16"}), ("medusa+ngram", {"tree": "cpu-8"}),
+                                              ("dynamic", {})])
+def test_tree_decoding_on_cuda_is_the_backbone_greedy_output(tokenizer, chat_prompts, drafter, options):
+    backbone = load_backbone(EMBEDDED_MODEL, dtype=torch.float32, device="cuda")
+    model = MedusaModel(backbone, load_heads(shipped_heads(EMBEDDED_MODEL), dtype=torch.float32).to("cuda"))
+    references = [(ids.cuda(), hf_greedy(backbone, ids.cuda(), 64))
+                  for ids in (encode_prompt(tokenizer, p) for p in chat_prompts[:3])]
+    assert_exact(model, backbone, references, make_drafter(model, drafter, **options), 64)
