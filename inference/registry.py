@@ -143,7 +143,8 @@ def make_drafter(model: MedusaModel, name: str = "medusa", **options) -> Drafter
     A drafter by its registry name, e.g. `make_drafter(model, "medusa+ngram", tree="cpu-16", draft_length=10)`.
     Options left out (or None) take the drafter's defaults; see `DRAFTERS` for which each takes.
     """
-    return DRAFTERS[name].build(model, **check_drafter_options(name, **options))
+    given = check_drafter_options(name, **options)
+    return DRAFTERS[name].build(model, **given)
 
 
 @dataclass(frozen=True)

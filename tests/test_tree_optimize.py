@@ -292,7 +292,7 @@ def test_profile_measures_and_is_cached(bigram_model, tmp_path, monkeypatch):
     def no_measuring(*args, **kwargs):
         raise AssertionError("the cached profile should have been used")
 
-    monkeypatch.setattr("medusa_heads.inference.profile.measure_profile", no_measuring)
+    monkeypatch.setattr("medusa_heads.apps.profile.measure_profile", no_measuring)
     assert cached_profile(bigram_model, 4)[0] == first
     with pytest.raises(MedusaError, match="exceeds the model's context"):
         measure_profile(bigram_model, sizes=[1, 64], contexts=[200])
