@@ -15,6 +15,7 @@ from medusa_heads.tree import TreeBuffers
 from .acceptance import GreedyAcceptance
 from .cache import check_compactable, compact_cache, new_cache
 from .draft import Acceptance, Accepted, DecodeState, Draft, Drafter
+from .text import StopStrings, TextStream
 
 
 @dataclass
@@ -237,20 +238,8 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: str, raw: bool = F
     return encoded["input_ids"]
 
 
-def stop_strings_check(tokenizer: PreTrainedTokenizerBase, strings: Sequence[str]):
-    if not strings:
-        return None
-
-    def stop(ids: list[int]) -> int | None:
-        # Cheap check on the whole text first; then the shortest prefix that contains a stop string.
-        if not any(s in tokenizer.decode(ids) for s in strings):
-            return None
-        for n in range(1, len(ids) + 1):
-            if any(s in tokenizer.decode(ids[:n]) for s in strings):
-                return n
-        return None
-
-    return stop
+def stop_strings_check(tokenizer: PreTrainedTokenizerBase, strings: Sequence[str]) -> StopStrings | None:
+    return StopStrings(tokenizer, strings) if any(strings) else None
 
 
 def eos_token_ids(model: MedusaModel, tokenizer: PreTrainedTokenizerBase | None) -> list[int]:
@@ -265,19 +254,13 @@ def stream(model: MedusaModel, tokenizer: PreTrainedTokenizerBase, prompt: str, 
            raw: bool = False, stats: GenerationStats | None = None) -> Iterator[str]:
     """Yield the new text piece by piece as the tokens are accepted."""
     input_ids = encode_prompt(tokenizer, prompt, raw)
-    ids: list[int] = []
-    shown = ""
+    text = TextStream(tokenizer)
     for chunk in generate_ids(model, input_ids, drafter, acceptance, max_new_tokens, eos_token_ids(model, tokenizer),
                               stop_strings_check(tokenizer, stop_strings), stats):
-        ids += chunk
-        text = tokenizer.decode(ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its next byte
-            continue
-        yield text[len(shown):]
-        shown = text
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    if len(text) > len(shown):
-        yield text[len(shown):]
+        if piece := text.add(chunk):
+            yield piece
+    if piece := text.flush():
+        yield piece
 
 
 def generate(model: MedusaModel, tokenizer: PreTrainedTokenizerBase, prompt: str, drafter: Drafter,

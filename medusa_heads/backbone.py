@@ -136,15 +136,14 @@ def backbone_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass; returns (logits [B, T', V] at the T' kept positions, last hidden state [B, T, H]).
 
-    The last hidden state is the one the model's own LM head reads, the input the heads are trained on.
+    The last hidden state is the one the model's own LM head reads, the input the heads are trained on: the
+    decoder's output, caught by a forward hook rather than asking the model for every layer's hidden states.
     """
-    out = backbone(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=attention_mask,
-        cache=cache,
-        use_cache=cache is not None,
-        output_hidden_states=True,
-        logits_to_keep=logits_to_keep,
-    )
-    return out.logits, out.hidden_states[-1]
+    caught = []
+    hook = backbone.get_decoder().register_forward_hook(lambda _module, _args, out: caught.append(out[0]))
+    try:
+        out = backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
+                       use_cache=cache is not None, logits_to_keep=logits_to_keep)
+    finally:
+        hook.remove()
+    return out.logits, caught[-1]

@@ -86,7 +86,8 @@ class DraftHeads(PreTrainedModel):
     def set_draft_vocab(self, token_ids: torch.Tensor) -> None:
         """The tokens the heads guess among, [draft_vocab_size] ids of the backbone's vocabulary."""
         if self.draft_vocab is None or token_ids.shape != self.draft_vocab.shape:
-            raise ValueError(f"Expected {self.config.draft_vocab_size} draft-vocabulary ids, got {tuple(token_ids.shape)}.")
+            raise ValueError(f"Expected {self.config.draft_vocab_size} draft-vocabulary ids, got "
+                             f"{tuple(token_ids.shape)}.")
         self.draft_vocab.copy_(token_ids)
 
     def output_projection(self, lm_head: nn.Module) -> nn.Module:

@@ -9,9 +9,9 @@ import torch
 
 from medusa_heads import MedusaError
 from medusa_heads.apps.bench import make_methods, markdown, summarize
-from medusa_heads.inference import GenerationStats, MedusaDrafter, make_drafter
-from medusa_heads.inference import DecodeState
-from medusa_heads.inference.drafters.dynamic import AdaptiveDrafter, DynamicDrafter, interpolated_cost, relative_costs
+from medusa_heads.inference import (AdaptiveDrafter, DecodeState, DynamicDrafter, GenerationStats, MedusaDrafter,
+                                    make_drafter)
+from medusa_heads.inference.drafters.dynamic import interpolated_cost, relative_costs
 from medusa_heads.inference.generate import encode_prompt
 from medusa_heads.tree import build_tree, load_tree, validate_tree
 

@@ -1,11 +1,12 @@
-"""Tree decoding through transformers' public interfaces works beyond Llama: tiny random models of other
-architectures, exact against their own HF greedy `generate`."""
+"""Tree decoding through transformers' public interfaces works beyond Llama: tiny random models of several
+architectures, exact against their own HF greedy `generate`; the hidden state the heads read is the model's own."""
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from medusa_heads import MedusaModel
+from medusa_heads.backbone import backbone_forward
 from medusa_heads.inference import GenerationStats, generate_ids
 from medusa_heads.model import untrained_heads
 from medusa_heads.tree import build_tree, load_tree
@@ -13,6 +14,8 @@ from medusa_heads.tree import build_tree, load_tree
 from test_decoding import OracleDrafter  # noqa: E402  (pytest puts tests/ on sys.path)
 
 ARCHITECTURES = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256),
     "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256),
     "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=256),
@@ -28,6 +31,10 @@ def test_tree_decoding_is_exact_on(arch):
     backbone = AutoModelForCausalLM.from_config(config).eval()
     backbone.generation_config.eos_token_id = None
     model = MedusaModel(backbone, untrained_heads(backbone, arch, num_heads=4))
+    ids = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(9))
+    logits, hidden = backbone_forward(backbone, ids, None)
+    full = backbone(input_ids=ids, output_hidden_states=True)
+    assert torch.equal(hidden, full.hidden_states[-1]) and torch.equal(logits, full.logits)
     tree = build_tree(load_tree("cpu-16"))
     for seed in range(3):
         prompt = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(seed))

@@ -8,10 +8,9 @@ import torch
 
 from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward
-from medusa_heads.inference import DecodeState, MedusaDrafter, make_drafter
-from medusa_heads.inference.drafters.eagle import EagleDrafter
-from medusa_heads.inference.generate import prefill
+from medusa_heads.inference import DecodeState, EagleDrafter, MedusaDrafter, make_drafter
 from medusa_heads.inference.cache import new_cache
+from medusa_heads.inference.generate import prefill
 from medusa_heads.model import SHIPPED_HEADS, load_heads, untrained_heads
 from medusa_heads.training.recipe import TrainConfig
 from medusa_heads.training.trainer import eagle_forward
@@ -90,7 +89,8 @@ def test_decoding_with_the_eagle_drafter_is_exact(eagle_model, backbone, referen
 def test_the_shipped_eagle_drafter_is_exact_and_accepts(backbone, references):
     heads = load_heads(SHIPPED_HEADS[EMBEDDED_MODEL].parent / "smollm2-135m-embedded-eagle", dtype=torch.float32)
     shipped = MedusaModel(backbone, heads)
-    stats = assert_exact(shipped, backbone, references[:2], make_drafter(shipped, "medusa+ngram", tree="eagle-cpu-16"), 64)
+    drafter = make_drafter(shipped, "medusa+ngram", tree="eagle-cpu-16")
+    stats = assert_exact(shipped, backbone, references[:2], drafter, 64)
     # A random drafter commits about 1 token per forward; the trained one about 2 on these prompts.
     assert sum(s.mean_accepted_length for s in stats) / len(stats) > 1.5
 

@@ -174,7 +174,8 @@ def test_model_save_pretrained_is_the_inverse_of_from_pretrained(tiny_backbone, 
         torch.testing.assert_close(loaded.backbone.state_dict()[name], tensor, rtol=0, atol=1e-6, msg=name)
     assert loaded.ngram_store.tables.keys() == store.tables.keys()
     for n, (keys, nexts) in store.tables.items():
-        assert torch.equal(loaded.ngram_store.tables[n][0], keys) and torch.equal(loaded.ngram_store.tables[n][1], nexts)
+        again = loaded.ngram_store.tables[n]
+        assert torch.equal(again[0], keys) and torch.equal(again[1], nexts)
     ids = torch.tensor([[1, 5, 9, 2]])
     assert torch.equal(loaded.backbone(ids).logits, merged(ids).logits)
     assert not torch.equal(load_backbone(str(tiny_backbone))(ids).logits, merged(ids).logits)  # the adapter counts

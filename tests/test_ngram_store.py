@@ -100,9 +100,9 @@ def test_a_store_of_the_answers_themselves_is_accepted(model, backbone, referenc
     refs = references[:1]
     oracle = NgramStore.build([ids[0].tolist() + ref for ids, ref in refs], model.config.vocab_size, max_n=4,
                               min_count=1)
-    plain = assert_exact(model, backbone, refs, MedusaNgramDrafter(heads_drafter(model, build_tree(load_tree("cpu-8")))), NEW_TOKENS)
-    told = assert_exact(model, backbone, refs, MedusaNgramDrafter(heads_drafter(model, build_tree(load_tree("cpu-8"))), store=oracle),
-                        NEW_TOKENS)
+    heads = heads_drafter(model, build_tree(load_tree("cpu-8")))
+    plain = assert_exact(model, backbone, refs, MedusaNgramDrafter(heads), NEW_TOKENS)
+    told = assert_exact(model, backbone, refs, MedusaNgramDrafter(heads, store=oracle), NEW_TOKENS)
     assert sum(len(s.accepted_lengths) for s in told) < sum(len(s.accepted_lengths) for s in plain)
 
 

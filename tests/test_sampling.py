@@ -15,9 +15,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import MedusaError, MedusaModel
-from medusa_heads.inference import ExactAcceptance, TypicalAcceptance, Warper, generate_ids, make_acceptance
+from medusa_heads.inference import (DecodeState, Draft, ExactAcceptance, TypicalAcceptance, Warper, generate_ids,
+                                    make_acceptance)
 from medusa_heads.inference.cache import new_cache
-from medusa_heads.inference import DecodeState, Draft
 from medusa_heads.inference.generate import prefill, verify
 from medusa_heads.model import untrained_heads
 from medusa_heads.tree import TreeBuffers, build_tree, load_tree

@@ -205,8 +205,20 @@ def _generate(args) -> None:
     print(f"[{stats.new_tokens} tokens in {stats.steps} steps, mean accepted length "
           f"{stats.mean_accepted_length:.2f}, {stats.tokens_per_second:.1f} tokens/s; per-head acceptance "
           f"{', '.join(f'{a:.2f}' for a in stats.head_acceptance)}]", file=sys.stderr)
+    print(f"[{_configuration(args, model, drafter)}]", file=sys.stderr)
     if args.stats:
         print("\n".join(_stats_lines(stats)), file=sys.stderr)
+
+
+def _configuration(args, model, drafter) -> str:
+    """What ran, in words: drafter and its options, heads, acceptance, dtype and device."""
+    options = {"tree": args.tree or DEFAULT_TREE, "draft_length": args.draft_length, "budget": args.budget,
+               "exit_layer": args.exit_layer, "draft_model": args.draft_model}
+    taken = [f"{k} {v}" for k, v in options.items() if k in DRAFTERS[args.drafter].options and v is not None]
+    heads = model.heads.name_or_path or "untrained"
+    return (f"drafter {args.drafter}" + (f" ({', '.join(taken)})" if taken else "")
+            + f", up to {drafter.tree.size} tree nodes; {model.heads.head_type} heads {heads}; "
+            f"{args.acceptance} acceptance; {str(model.backbone.dtype).removeprefix('torch.')} on {model.device}")
 
 
 def _stats_lines(stats) -> list[str]:
