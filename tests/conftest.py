@@ -18,7 +18,8 @@ MEDUSA_HEADS = SHIPPED_HEADS[EMBEDDED_MODEL].parent / "smollm2-135m-embedded-med
 torch.set_num_threads(max(torch.get_num_threads(), 1))
 
 # Fixtures of this file that load the real SmolLM2 model: a test using one (directly or through another fixture)
-# is `slow`. `pytest -m "not slow"` is the quick tier; `.ci/run` runs everything.
+# is `slow`, as are training runs of half a minute or more. `pytest -m "not slow"` is the quick tier; `.ci/run` runs
+# everything.
 REAL_MODEL_FIXTURES = {"backbone", "model", "medusa_model", "untrained_model", "references", "random_hydra_model"}
 
 

@@ -60,6 +60,7 @@ def check_a_stopped_run_resumes_on_the_same_curve(tiny_backbone, counting_data, 
     return full.stderr
 
 
+@pytest.mark.slow  # a training run of half a minute or more
 def test_two_cpu_processes_checkpoint_and_resume_on_the_same_curve(tiny_backbone, counting_data, tmp_path):
     check_a_stopped_run_resumes_on_the_same_curve(tiny_backbone, counting_data, tmp_path)
 

@@ -39,6 +39,7 @@ def test_training_lowers_the_loss_and_raises_accuracy(tiny_backbone, counting_da
     assert min(acc["top1"]) > 0.1
 
 
+@pytest.mark.slow  # a training run of half a minute or more
 def test_a_killed_run_resumes_on_the_same_loss_curve(tiny_backbone, counting_data, tmp_path):
     full = train(recipe(tiny_backbone, counting_data, tmp_path / "full", max_steps=14, checkpoint_every=5))
     # The same run in a subprocess, SIGKILLed once its first checkpoint is complete.
@@ -62,6 +63,7 @@ def test_a_killed_run_resumes_on_the_same_loss_curve(tiny_backbone, counting_dat
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.slow  # a training run of half a minute or more
 def test_kl_objective_runs_and_learns(tiny_backbone, counting_data, tmp_path):
     result = train(recipe(tiny_backbone, counting_data, tmp_path / "kl", loss="kl", max_steps=20))
     losses = [h["loss"] for h in result["history"]]
@@ -151,6 +153,7 @@ def test_processes_take_disjoint_micro_batches_of_one_shared_order():
     assert micro_batch(cfg, 26, 3, 2, 0) == batch_order(26, 4, 1, 3)[0]  # then the next epoch's order
 
 
+@pytest.mark.slow  # a training run of half a minute or more
 @pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_zero_runs_on_cpu_and_resumes(tiny_backbone, counting_data, tmp_path, stage):
     """In a subprocess (DeepSpeed sets up torch.distributed, which would leak into later tests)."""
@@ -176,6 +179,7 @@ def test_deepspeed_zero_runs_on_cpu_and_resumes(tiny_backbone, counting_data, tm
     assert len(json.loads((out / "history.json").read_text())) == 3
 
 
+@pytest.mark.slow  # a training run of half a minute or more
 def test_medusa2_trains_adapters_and_keeps_the_backbone_close(tiny_backbone, counting_data, tmp_path, tokenizer):
     from medusa_heads import MedusaModel, load_backbone
     from medusa_heads.inference.generate import encode_prompt
@@ -267,6 +271,7 @@ def test_hydra_heads_use_the_path_and_train_on_a_draft_vocabulary(tiny_backbone,
     assert heads.config.head_type == "hydra" and 16 <= heads.config.draft_vocab_size < 100
 
 
+@pytest.mark.slow  # a training run of half a minute or more
 def test_acceptance_weighting_trains(tiny_backbone, counting_data, tmp_path):
     result = train(recipe(tiny_backbone, counting_data, tmp_path / "run", loss_weighting="acceptance",
                           head_type="hydra", share_lm_head=False))
@@ -274,6 +279,7 @@ def test_acceptance_weighting_trains(tiny_backbone, counting_data, tmp_path):
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
 
 
+@pytest.mark.slow  # a training run of half a minute or more
 def test_tree_path_loss_trains_and_reports_the_accepted_length(tiny_backbone, counting_data, tmp_path):
     tree = tmp_path / "tree.json"
     tree.write_text(json.dumps([[0], [1], [0, 0], [0, 1], [1, 0]]))
