@@ -237,7 +237,8 @@ def make_accelerator(cfg: TrainConfig, trackers: list[str] | None) -> Accelerato
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if accelerator.num_processes != launched:
         raise MedusaError(f"The launcher started {launched} processes but accelerate joined "
-                          f"{accelerator.num_processes}: each would train alone; see the README's training section.")
+                          f"{accelerator.num_processes}: each would train alone; see docs/training.md, several "
+                          "processes.")
     if plugin is not None:
         # We feed batches ourselves (no DataLoader), so DeepSpeed's "auto" sizes are filled in here.
         ds = accelerator.state.deepspeed_plugin.deepspeed_config
