@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from .backbone import EMBEDDED_MODEL, first_line, load_backbone, parse_dtype
 from .config import MedusaConfig
 from .errors import MedusaError
+from .formats import import_original, is_original_layout
 from .head_types import head_type_class
 from .heads import DraftHeads
 from .ngram_store import NgramStore, find_store
@@ -38,8 +39,11 @@ def shipped_heads(base_model: str) -> Path | None:
 
 
 def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> DraftHeads:
-    """Load heads from a local folder or hub id; missing or unexpected weights are an error, not a warning."""
+    """Load heads from a local folder or hub id; missing or unexpected weights are an error, not a warning. A folder
+    in the original Medusa project's layout (`medusa_lm_head.safetensors`/`.pt`) is imported."""
     local = Path(path)
+    if local.is_dir() and is_original_layout(local):
+        return import_original(local, parse_dtype(dtype) if dtype is not None else None).eval()
     if local.exists() and not (local / "config.json").is_file():
         raise MedusaError(f"`{path}` holds no config.json: it is not a folder of Medusa heads.")
     if not local.exists() and (str(path).startswith((".", "/", "~")) or str(path).count("/") != 1):

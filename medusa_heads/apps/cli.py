@@ -98,6 +98,15 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-fp32-reference", action="store_true",
                    help="in bf16/fp16, skip comparing outputs with fp32 greedy")
     _add_runtime_args(b)
+    e = sub.add_parser("export", help="write Medusa heads in the layout a serving engine reads")
+    e.add_argument("--format", required=True, choices=["vllm", "medusa", "trtllm"],
+                   help="vllm: vLLM's Medusa layout (draft vocabulary as token_map); medusa: the original Medusa "
+                   "project's layout; trtllm: the original layout plus the tree as medusa_choices, what TensorRT-LLM's "
+                   "Medusa converter reads")
+    e.add_argument("heads", help="heads folder (plain Medusa heads)")
+    e.add_argument("out", type=Path, help="folder to write")
+    e.add_argument("--tree", default=DEFAULT_TREE, help="trtllm: the tree written as medusa_choices")
+    e.add_argument("--model", help="backbone whose LM head shared heads use (default: the one the heads name)")
     _add_tree_commands(sub)
     return parser
 
@@ -265,6 +274,27 @@ def _ngram_store(args) -> None:
           f"{sum(map(len, answers))} answer tokens in {len(answers)} turns; wrote {path}")
 
 
+def _export(args) -> None:
+    from medusa_heads.backbone import load_backbone
+    from medusa_heads.formats import export_original, export_vllm
+    from medusa_heads.model import load_heads
+    from medusa_heads.tree import load_tree, validate_tree
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise MedusaError(f"`{args.out}` exists and is not empty; export into a new folder.")
+    heads = load_heads(args.heads)
+    tree = validate_tree(load_tree(args.tree), num_heads=heads.config.num_heads) if args.format == "trtllm" else None
+    lm_head = None
+    if heads.config.share_lm_head and heads.head_type == "medusa":  # other types fail in the export, with a reason
+        backbone = load_backbone(_backbone_name(args, heads), gguf_file=_gguf_file(args, heads))
+        lm_head = backbone.get_output_embeddings().weight.to(heads.dtype)
+    if args.format == "vllm":
+        out = export_vllm(heads, lm_head, args.out)
+    else:
+        out = export_original(heads, lm_head, args.out, tree)
+    print(f"wrote {args.format} heads to {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
+
+
 def _check_tree_args(args) -> None:
     if args.max_nodes < 2:
         raise MedusaError(f"`--max-nodes` must be at least 2 (the root and one draft), got {args.max_nodes}.")
@@ -353,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
         commands = {"generate": _generate, "distill": _distill, "bench": _bench, "profile": _profile, "tree": _tree,
-                    "ngram-store": _ngram_store}
+                    "ngram-store": _ngram_store, "export": _export}
         commands[args.command](args)
     except (MedusaError, StrictDataclassError) as err:
         print(f"medusa-heads: error: {first_line(err)}", file=sys.stderr)
