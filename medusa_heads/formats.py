@@ -32,7 +32,8 @@ def is_original_layout(folder: str | Path) -> bool:
     return any((Path(folder) / name).is_file() for name in ORIGINAL_WEIGHTS)
 
 
-def _plain_medusa(heads: DraftHeads, layout: str) -> MedusaHeads:
+def plain_medusa(heads: DraftHeads, layout: str) -> MedusaHeads:
+    """`heads` if they are plain Medusa heads, the only type an engine layout holds; else a one-line error."""
     if type(heads) is not MedusaHeads:
         raise MedusaError(f"{layout} holds plain Medusa heads only; these are `{heads.head_type}` heads, which no "
                           "serving engine reads (see docs/heads.md).")
@@ -59,7 +60,7 @@ def export_original(heads: DraftHeads, lm_head_weight: torch.Tensor | None, fold
                     tree: tuple | None = None) -> Path:
     """Write `heads` in the original Medusa layout (TensorRT-LLM's converter input); `tree`: rank paths written as
     `medusa_choices`."""
-    heads = _plain_medusa(heads, "The original Medusa layout")
+    heads = plain_medusa(heads, "The original Medusa layout")
     if heads.draft_vocab is not None:
         raise MedusaError("The original Medusa layout has no draft vocabulary, and these heads guess among "
                           f"{heads.config.draft_vocab_size} tokens only; export them with --format vllm (token_map).")
@@ -116,7 +117,7 @@ def import_original(folder: str | Path, dtype: torch.dtype | None = None) -> Med
 
 def export_vllm(heads: DraftHeads, lm_head_weight: torch.Tensor | None, folder: str | Path) -> Path:
     """Write `heads` in vLLM's Medusa layout (`--speculative-config '{"method": "medusa", "model": FOLDER}'`)."""
-    heads = _plain_medusa(heads, "vLLM's Medusa layout")
+    heads = plain_medusa(heads, "vLLM's Medusa layout")
     config = heads.config
     shared = heads.lm_heads is None
     projections = head_projections(heads, lm_head_weight)

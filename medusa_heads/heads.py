@@ -145,8 +145,9 @@ class MedusaHeads(DraftHeads):
         """Heads with their own projections start from a copy of the backbone's LM head (its draft-vocabulary
         rows); shared heads already score with it."""
         if self.lm_heads is not None:
+            start = self.output_projection(backbone.get_output_embeddings()).weight
             for own in self.lm_heads:
-                own.weight.copy_(self.output_projection(backbone.get_output_embeddings()).weight)
+                own.weight.copy_(start)
 
     def head_state(self, head: int, hidden: torch.Tensor, token_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """One head before its projection: hidden [..., H] -> [..., H]."""

@@ -199,6 +199,7 @@ class MedusaModel(nn.Module):
         self.heads = heads
         self.adapter = adapter
         self._ngram_store = ngram_store
+        self._store_looked_up = ngram_store is not None
         # Shared heads project with the backbone's LM head, or a copy of its draft-vocabulary rows.
         shared = heads.config.share_lm_head
         self.projection = heads.output_projection(backbone.get_output_embeddings()) if shared else None
@@ -206,8 +207,9 @@ class MedusaModel(nn.Module):
     @property
     def ngram_store(self) -> NgramStore | None:
         """The n-gram store saved with the heads (loaded once), or None when they have none."""
-        if self._ngram_store is None:
+        if not self._store_looked_up:  # once, found or not: a hub id without one costs a network round trip
             self._ngram_store = find_store(str(self.heads.name_or_path or ""))
+            self._store_looked_up = True
         return self._ngram_store
 
     def save_pretrained(self, folder: str | Path) -> Path:

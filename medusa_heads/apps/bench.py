@@ -22,9 +22,8 @@ from medusa_heads.backbone import load_backbone
 from medusa_heads.errors import MedusaError, read_jsonl
 from medusa_heads.inference import GenerationStats, generate_ids, make_acceptance, make_drafter
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
-from medusa_heads.inference.registry import ACCEPTANCE_RULES, DRAFTERS, INT_OPTIONS
+from medusa_heads.inference.registry import ACCEPTANCE_RULES, DRAFTERS, INT_OPTIONS, check_drafter_options
 from medusa_heads.model import MedusaModel, load_heads
-from medusa_heads.tree import load_tree
 
 from .memory import PeakMemory
 
@@ -153,8 +152,7 @@ def parse_drafter_method(method: str) -> tuple[str, dict, tuple[str, float] | No
     missing = [key for key in spec.required if key not in options]
     if missing:
         raise MedusaError(f"Method `{method}` needs {missing[0].upper()}: {method_syntax(name)}.")
-    if "tree" in options:
-        load_tree(options["tree"])  # fail now on a bad tree, not after the warm-up
+    check_drafter_options(name, **options)  # fail now (e.g. on a bad tree), not after the warm-up
     return name, options, sampling
 
 
@@ -419,11 +417,7 @@ def plot_report(result: dict, out: Path) -> list[Path]:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([c + width * (len(methods) - 1) / 2 for c in range(len(categories))], categories, rotation=30)
     ax.set_ylabel("speed-up vs HF greedy (median)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths = [out / "speedup_by_category.png"]
-    fig.savefig(paths[0], dpi=120)
-    plt.close(fig)
+    paths = [_save(fig, ax, out / "speedup_by_category.png")]
     tree_methods = [m for m in methods if summary[m]["mean_accepted_length"]]
     if tree_methods:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -432,11 +426,7 @@ def plot_report(result: dict, out: Path) -> list[Path]:
             ax.hist(lengths, bins=range(1, max(lengths) + 2), alpha=0.5, label=m, align="left")
         ax.set_xlabel("tokens accepted per step (bonus token included)")
         ax.set_ylabel("steps")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out / "accepted_lengths.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(_save(fig, ax, out / "accepted_lengths.png"))
     families = tree_families(summary)
     if families:
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -448,12 +438,19 @@ def plot_report(result: dict, out: Path) -> list[Path]:
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xlabel("tree nodes (root included)")
         ax.set_ylabel("speed-up vs HF greedy (median)")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(out / "speedup_vs_tree_size.png")
-        fig.savefig(paths[-1], dpi=120)
-        plt.close(fig)
+        paths.append(_save(fig, ax, out / "speedup_vs_tree_size.png"))
     return paths
+
+
+def _save(fig, ax, path: Path) -> Path:
+    """Legend, layout, the PNG, and the figure closed."""
+    import matplotlib.pyplot as plt
+
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
 
 
 def tree_families(summary: dict) -> dict[str, list[tuple[str, str]]]:

@@ -192,9 +192,9 @@ def _generate(args) -> None:
 
     if args.max_new_tokens < 1:
         raise MedusaError(f"`--max-new-tokens` must be at least 1, got {args.max_new_tokens}.")
-    options = dict(tree=args.tree, draft_model=args.draft_model, draft_length=args.draft_length,
-                   exit_layer=args.exit_layer, budget=args.budget)
-    check_drafter_options(args.drafter, **options)  # bad options and broken trees fail before the model loads
+    # bad options and broken trees fail before the model loads
+    options = check_drafter_options(args.drafter, tree=args.tree, draft_model=args.draft_model,
+                                    draft_length=args.draft_length, exit_layer=args.exit_layer, budget=args.budget)
     acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
                                  device=args.device, top_k=args.top_k, top_p=args.top_p)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
@@ -214,16 +214,15 @@ def _generate(args) -> None:
     print(f"[{stats.new_tokens} tokens in {stats.steps} steps, mean accepted length "
           f"{stats.mean_accepted_length:.2f}, {stats.tokens_per_second:.1f} tokens/s; per-head acceptance "
           f"{', '.join(f'{a:.2f}' for a in stats.head_acceptance)}]", file=sys.stderr)
-    print(f"[{_configuration(args, model, drafter)}]", file=sys.stderr)
+    print(f"[{_configuration(args, model, drafter, options)}]", file=sys.stderr)
     if args.stats:
         print("\n".join(_stats_lines(stats)), file=sys.stderr)
 
 
-def _configuration(args, model, drafter) -> str:
-    """What ran, in words: drafter and its options, heads, acceptance, dtype and device."""
-    options = {"tree": args.tree or DEFAULT_TREE, "draft_length": args.draft_length, "budget": args.budget,
-               "exit_layer": args.exit_layer, "draft_model": args.draft_model}
-    taken = [f"{k} {v}" for k, v in options.items() if k in DRAFTERS[args.drafter].options and v is not None]
+def _configuration(args, model, drafter, options: dict) -> str:
+    """What ran, in words: drafter and the options it was given, heads, acceptance, dtype and device."""
+    shown = ({"tree": DEFAULT_TREE} if "tree" in DRAFTERS[args.drafter].options else {}) | options
+    taken = [f"{k} {v}" for k, v in shown.items()]
     heads = model.heads.name_or_path or "untrained"
     return (f"drafter {args.drafter}" + (f" ({', '.join(taken)})" if taken else "")
             + f", up to {drafter.tree.size} tree nodes; {model.heads.head_type} heads {heads}; "
@@ -276,16 +275,16 @@ def _ngram_store(args) -> None:
 
 def _export(args) -> None:
     from medusa_heads.backbone import load_backbone
-    from medusa_heads.formats import export_original, export_vllm
+    from medusa_heads.formats import export_original, export_vllm, plain_medusa
     from medusa_heads.model import load_heads
     from medusa_heads.tree import load_tree, validate_tree
 
     if args.out.exists() and any(args.out.iterdir()):
         raise MedusaError(f"`{args.out}` exists and is not empty; export into a new folder.")
-    heads = load_heads(args.heads)
+    heads = plain_medusa(load_heads(args.heads), f"The {args.format} layout")
     tree = validate_tree(load_tree(args.tree), num_heads=heads.config.num_heads) if args.format == "trtllm" else None
     lm_head = None
-    if heads.config.share_lm_head and heads.head_type == "medusa":  # other types fail in the export, with a reason
+    if heads.config.share_lm_head:
         backbone = load_backbone(_backbone_name(args, heads), gguf_file=_gguf_file(args, heads))
         lm_head = backbone.get_output_embeddings().weight.to(heads.dtype)
     if args.format == "vllm":
