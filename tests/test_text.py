@@ -51,3 +51,21 @@ def test_stop_strings_keep_the_shortest_prefix_that_contains_one(tokenizer, text
                 break
         assert kept == expected, (strings, kept, expected)
     assert StopStrings(tokenizer, ["zzz-not-in-text"])(ids) is None
+
+
+class WordStartTokenizer:
+    """A SentencePiece-like decoder: `▁` marks a word start and decodes to a space, except at the start of the
+    decoded text. Decoding is then not concatenative: a piece decoded alone loses its leading space."""
+
+    words = ["▁Hello", ",", "▁wor", "ld", "▁and", "▁good", "bye", "."]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.words[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+
+def test_word_starts_survive_the_cut_between_pieces():
+    tokenizer, ids = WordStartTokenizer(), [0, 1, 2, 3, 4, 5, 6, 7]
+    for cut in range(1, len(ids)):
+        stream = TextStream(tokenizer)
+        pieces = [stream.add(ids[:cut]), stream.add(ids[cut:]), stream.flush()]
+        assert "".join(pieces) == "Hello, world and goodbye."
