@@ -108,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--tree", default=DEFAULT_TREE, help="trtllm: the tree written as medusa_choices")
     e.add_argument("--model", help="backbone whose LM head shared heads use (default: the one the heads name)")
     _add_tree_commands(sub)
+    _add_serve_command(sub)
     return parser
 
 
@@ -140,6 +141,29 @@ def _add_tree_commands(sub) -> None:
     opt.add_argument("--model", help="backbone (default: the embedded SmolLM2-135M-Instruct)")
     opt.add_argument("--heads", help="heads folder (default: the heads shipped for the model)")
     _add_runtime_args(opt)
+
+
+def _add_serve_command(sub) -> None:
+    """`serve`: an OpenAI-compatible HTTP server (docs/serving.md)."""
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with Prometheus metrics (docs/serving.md)")
+    s.add_argument("--model", help="backbone hub id or folder (default: the embedded SmolLM2-135M-Instruct)")
+    s.add_argument("--heads", help="heads folder or hub id (default: the heads shipped for the model)")
+    s.add_argument("--drafter", choices=list(DRAFTERS), default="medusa",
+                   help="as for generate; `dynamic --budget 0` drafts nothing (plain decoding)")
+    s.add_argument("--tree", help=f"as for generate (default {DEFAULT_TREE})")
+    s.add_argument("--draft-model", help="as for generate")
+    s.add_argument("--draft-length", type=int, help="as for generate")
+    s.add_argument("--exit-layer", type=int, help="as for generate")
+    s.add_argument("--budget", type=int, help="as for generate")
+    s.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
+                   help="the rule for requests with temperature > 0 (temperature 0 is greedy): exact (lossless, the "
+                   "default) or typical (faster, lossy)")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
+    s.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503")
+    s.add_argument("--max-batch", type=int, default=1, help="requests decoded together; the runtime decodes one at "
+                   "a time for now, so values above 1 take effect once batched decoding exists")
+    _add_runtime_args(s)
 
 
 def _bench(args) -> None:
@@ -253,6 +277,22 @@ def _distill(args) -> None:
     distill(args.prompts, args.out, model=args.model or EMBEDDED_MODEL, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, dtype=args.dtype,
             device=args.device, limit=args.limit, seed=args.seed)
+
+
+def _serve(args) -> None:
+    from medusa_heads.inference.registry import OPTIONS, check_drafter_options
+    from medusa_heads.model import MedusaModel
+
+    from .serve import listen, run_server
+
+    for flag, value in (("--max-queue", args.max_queue), ("--max-batch", args.max_batch)):
+        if value < 1:
+            raise MedusaError(f"`{flag}` must be at least 1, got {value}.")
+    options = check_drafter_options(args.drafter, **{name: getattr(args, name) for name in OPTIONS})
+    sock = listen(args.host, args.port)
+    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
+    run_server(sock, model, _tokenizer(args, model), _backbone_name(args, model), args.drafter, options,
+               args.acceptance, args.max_queue, args.max_batch, args.verbose)
 
 
 def _ngram_store(args) -> None:
@@ -382,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
         commands = {"generate": _generate, "distill": _distill, "bench": _bench, "profile": _profile, "tree": _tree,
-                    "ngram-store": _ngram_store, "export": _export}
+                    "ngram-store": _ngram_store, "export": _export, "serve": _serve}
         commands[args.command](args)
     except (MedusaError, StrictDataclassError) as err:
         print(f"medusa-heads: error: {first_line(err)}", file=sys.stderr)
