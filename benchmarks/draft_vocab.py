@@ -16,12 +16,12 @@ import time
 import torch
 
 from medusa_heads import MedusaModel
-from medusa_heads.backbone import backbone_forward, load_tokenizer
+from medusa_heads.backbone import load_tokenizer
 from medusa_heads.inference import DecodeState, MedusaDrafter
-from medusa_heads.inference.cache import new_cache
-from medusa_heads.inference.generate import prefill
+from medusa_heads.inference.cache import TreeCache
+from medusa_heads.inference.generate import prefill, verify
 from medusa_heads.model import load_heads
-from medusa_heads.tree import build_tree, load_tree
+from medusa_heads.tree import build_tree, canonical_tree, load_tree
 
 
 def coverage(vocab: torch.Tensor, vocab_size: int, answers: list[list[int]]) -> float:
@@ -70,8 +70,8 @@ def main() -> None:
 
     tree = build_tree(load_tree(args.tree))
     prompt = tokenizer("The quick brown fox jumps over the lazy dog. " * 20, return_tensors="pt")["input_ids"]
-    cache = new_cache(reduced.backbone)
-    logits, hidden = prefill(reduced, prompt, cache)
+    cache = TreeCache(reduced.backbone, 1, prompt.shape[1] + 1)
+    logits, hidden = (x[0] for x in prefill(reduced, prompt.tolist(), cache))
     state = DecodeState(prompt[0].tolist() + [int(logits.argmax())], int(logits.argmax()), hidden[-1])
     drafters = {"full": MedusaDrafter(full, tree), "draft": MedusaDrafter(reduced, tree)}
     times = {name: [] for name in drafters}
@@ -83,9 +83,8 @@ def main() -> None:
     with torch.no_grad():
         for _ in range(args.repeats):
             start = time.perf_counter()
-            backbone_forward(reduced.backbone, torch.tensor([[state.root]]), cache)
+            verify(reduced, canonical_tree(()), torch.tensor([[state.root]]), cache)  # written, never committed
             step.append(time.perf_counter() - start)
-            cache.crop(-1)
     ms = {name: 1000 * statistics.median(t) for name, t in times.items()}
     report = {
         "heads": args.heads, "tree": args.tree, "tree_nodes": tree.size, "dtype": args.dtype,

@@ -10,8 +10,8 @@ from .drafters.dynamic import AdaptiveDrafter, DynamicDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.heads import MedusaDrafter
 from .drafters.ngram import MedusaNgramDrafter, NgramDrafter, ngram_lookup
-from .generate import Generation, GenerationStats, generate, generate_ids, stream
-from .registry import ACCEPTANCE_RULES, DRAFTERS, heads_drafter, make_acceptance, make_drafter
+from .generate import Generation, GenerationStats, Request, decode, generate, generate_batch, generate_ids, stream
+from .registry import ACCEPTANCE_RULES, DRAFTERS, heads_drafter, make_acceptance, make_drafter, make_drafters
 from .sampling import Warper
 
 __all__ = [
@@ -33,13 +33,17 @@ __all__ = [
     "MedusaDrafter",
     "MedusaNgramDrafter",
     "NgramDrafter",
+    "Request",
     "TypicalAcceptance",
     "Warper",
+    "decode",
     "generate",
+    "generate_batch",
     "generate_ids",
     "heads_drafter",
     "make_acceptance",
     "make_drafter",
+    "make_drafters",
     "ngram_lookup",
     "stream",
 ]

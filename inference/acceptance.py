@@ -11,6 +11,7 @@ from functools import lru_cache
 import torch
 
 from medusa_heads.errors import MedusaError
+from medusa_heads.tree import TreeBuffers
 
 from .draft import Accepted, Draft
 from .sampling import Warper
@@ -34,12 +35,23 @@ class GreedyAcceptance:
         return int(logits.argmax())
 
     def accept(self, draft: Draft, logits: torch.Tensor) -> Accepted:
-        pred = logits.argmax(dim=-1)  # [T]
-        parent = draft.tree.parent.clamp(min=0)
-        ok = draft.tokens == pred[parent]  # [T], the root's entry is unused
-        lengths = _path_lengths(draft, ok)
-        nodes = _best(draft, lengths, int(lengths.argmax()))
-        return Accepted(nodes, int(pred[nodes[-1]]))
+        paths, lengths, bonus = self.accept_rows(draft.tree, draft.tokens[None], logits[None])
+        return Accepted(paths[0, : int(lengths[0]) + 1], int(bonus[0]))
+
+    @staticmethod
+    def accept_rows(tree: TreeBuffers, tokens: torch.Tensor, logits: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rows of one tree shape at once, on the device: tokens [B, T], logits [B, T, V] -> (accepted paths
+        [B, D + 1] (node ids, padded past each length), accepted lengths [B] (the root not counted), bonus [B])."""
+        pred = logits.argmax(dim=-1)  # [B, T]
+        ok = tokens == pred[:, tree.parent.clamp(min=0)]  # [B, T], the root's entry is unused
+        ok_on_path = ok[:, tree.retrieve[:, 1:]] & tree.retrieve_valid[:, 1:]  # [B, P, D]
+        lengths = ok_on_path.int().cumprod(dim=2).sum(dim=2)  # [B, P]
+        best = lengths.argmax(dim=1)  # [B], the first longest path
+        paths = tree.retrieve[best]  # [B, D + 1]
+        accepted = lengths.gather(1, best[:, None])[:, 0]
+        bonus = pred.gather(1, paths.gather(1, accepted[:, None]))[:, 0]
+        return paths, accepted, bonus
 
 
 class TypicalAcceptance:

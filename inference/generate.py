@@ -2,6 +2,7 @@
 
 import time
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -10,10 +11,10 @@ from transformers import PreTrainedTokenizerBase
 from medusa_heads.backbone import backbone_forward
 from medusa_heads.errors import MedusaError
 from medusa_heads.model import MedusaModel
-from medusa_heads.tree import TreeBuffers
+from medusa_heads.tree import TreeBuffers, canonical_tree
 
 from .acceptance import GreedyAcceptance
-from .cache import check_compactable, compact_cache, new_cache
+from .cache import TreeCache
 from .draft import Acceptance, Accepted, DecodeState, Draft, Drafter
 from .text import StopStrings, TextStream
 
@@ -74,16 +75,18 @@ class GenerationStats:
         self.rank_accepts = [[] for _ in range(max_depth)]
         self.first_rejections = [0] * max_depth
 
-    def record(self, tree: TreeBuffers, accepted: Accepted) -> None:
-        """One step: the path `accepted` in the drafted `tree`."""
-        self.accepted_lengths.append(accepted.depth + 1)
-        for d, rank in enumerate(tree.rank[accepted.nodes[1:]].tolist()):
+    def record(self, paths: tuple, nodes: list[int]) -> None:
+        """One step: the accepted `nodes` (root first) of the tree `paths` that was drafted."""
+        ranks, parents = _ranks_and_parents(paths)
+        self.accepted_lengths.append(len(nodes))
+        for d, node in enumerate(nodes[1:]):
             self.depth_accepts[d] += 1
             row = self.rank_accepts[d]
+            rank = ranks[node]
             row.extend([0] * (rank + 1 - len(row)))
             row[rank] += 1
-        if bool((tree.parent == accepted.nodes[-1]).any()):  # its children were drafted and all rejected
-            self.first_rejections[accepted.depth] += 1
+        if nodes[-1] in parents:  # its children were drafted and all rejected
+            self.first_rejections[len(nodes) - 1] += 1
 
     @property
     def tokens_per_second(self) -> float:
@@ -111,41 +114,125 @@ class GenerationStats:
         }
 
 
-@torch.no_grad()
-def prefill(model: MedusaModel, input_ids: torch.Tensor, cache) -> tuple[torch.Tensor, torch.Tensor]:
-    """input_ids: [1, L] -> (logits [V] at the last prompt position, hidden states [L, H] at all of them)."""
-    logits, hidden = backbone_forward(model.backbone, input_ids, cache, logits_to_keep=1)
-    return logits[0, -1], hidden[0]
+@dataclass
+class Request:
+    """One sequence to decode: its prompt, how it is drafted and accepted, and when it stops."""
+
+    input_ids: list[int]
+    drafter: Drafter  # a drafter that keeps state per sequence (`per_sequence`) serves one request only
+    acceptance: Acceptance = field(default_factory=GreedyAcceptance)
+    max_new_tokens: int = 128
+    stop: Callable[[list[int]], int | None] | None = None  # see `generate_ids`
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+@dataclass
+class _Row:
+    """A request being decoded."""
+
+    index: int  # in the list of requests
+    request: Request
+    sequence: list[int]  # prompt + committed tokens, the root last
+    new_ids: list[int]
+    hidden: torch.Tensor  # [n, H] the hidden states of the positions committed last
 
 
 @torch.no_grad()
-def verify(model: MedusaModel, draft: Draft, cache, past_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One backbone forward over every tree node -> (logits [T, V], hidden [T, H])."""
-    tree = draft.tree
-    seen_past = torch.ones(tree.size, past_len, dtype=torch.bool, device=tree.mask.device)
-    mask = torch.cat([seen_past, tree.mask], dim=1)[None, None]  # [1, 1, T, past + T]
-    positions = (past_len + tree.depth)[None]  # [1, T]
-    logits, hidden = backbone_forward(model.backbone, draft.tokens[None], cache, positions, mask)
-    return logits[0], hidden[0]
+def prefill(model: MedusaModel, prompts: list[list[int]], cache: TreeCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts (left-padded into one batch) -> (logits [B, V] at each last prompt position, hidden states
+    [B, L, H] at every padded position)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    positions, mask = cache.prefill_inputs([len(p) for p in prompts], width)
+    logits, hidden = backbone_forward(model.backbone, ids, cache.cache, positions, mask, logits_to_keep=1)
+    return logits[:, -1], hidden
 
 
-def tree_decode_step(model: MedusaModel, drafter: Drafter, acceptance: Acceptance, cache,
+@torch.no_grad()
+def verify(model: MedusaModel, tree: TreeBuffers, tokens: torch.Tensor, cache: TreeCache
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One backbone forward over every row's tree, tokens [B, T] -> (logits [B, T, V], hidden [B, T, H])."""
+    positions, mask = cache.tree_inputs(tree)
+    return backbone_forward(model.backbone, tokens, cache.cache, positions, mask)
+
+
+@lru_cache(maxsize=256)
+def _union(trees: tuple[tuple, ...]) -> tuple:
+    """The paths of the smallest tree holding each of `trees` (tuples of paths), in canonical order."""
+    return tuple(sorted({p for paths in trees for p in paths}, key=lambda p: (len(p), p)))
+
+
+@lru_cache(maxsize=1024)
+def _node_index(paths: tuple, within: tuple) -> list[int]:
+    """Where each node of the tree `paths` sits in the tree `within`, which holds it."""
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(within)}
+    return [0] + [index[p] for p in paths]
+
+
+def _merge(drafts: list[Draft]) -> tuple[TreeBuffers, torch.Tensor]:
+    """One tree for the rows of a batch, the union of their drafts' trees, and each row's tokens in it [B, T]:
+    nodes a row did not draft repeat its root (a guess like any other: acceptance stays exact)."""
+    paths = _union(tuple(draft.tree.paths for draft in drafts))
+    tree = canonical_tree(paths, drafts[0].tokens.device)
+    tokens = torch.stack([draft.tokens[:1].repeat(tree.size) for draft in drafts])
+    for row, draft in zip(tokens, drafts):
+        row[_node_index(draft.tree.paths, paths)] = draft.tokens
+    return tree, tokens
+
+
+@lru_cache(maxsize=256)
+def _ranks_and_parents(paths: tuple) -> tuple[list[int], set[int]]:
+    """Host-side view of a tree: the rank of each node and the nodes that have children."""
+    index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
+    return [0] + [p[-1] for p in paths], {index[p[:-1]] for p in paths}
+
+
+def decode_step(model: MedusaModel, cache: TreeCache, rows: list[tuple[Drafter, Acceptance, DecodeState]],
+                stats: list[GenerationStats | None] | None = None
+                ) -> list[tuple[Accepted, list[int], torch.Tensor]]:
+    r"""
+    One tree step for every row of the cache: propose, verify all rows' trees in one forward, accept, compact.
+
+    The rows of a batch verify one tree, the union of their drafts' trees.
+
+    Returns, per row: (accepted path, new tokens (accepted drafts + the bonus), hidden states [n, H] of the
+    accepted nodes, the last one the one that predicted the bonus). Each step is recorded in `stats` and, for a
+    drafter that learns from its results, passed to its `observe`.
+    """
+    drafts = [drafter.propose(state) for drafter, _, state in rows]
+    if len(drafts) == 1:
+        tree, tokens = drafts[0].tree, drafts[0].tokens[None]
+    else:
+        tree, tokens = _merge(drafts)
+        drafts = [Draft(tree, row_tokens) for row_tokens in tokens]
+    logits, hidden = verify(model, tree, tokens, cache)
+    if all(isinstance(acceptance, GreedyAcceptance) for _, acceptance, _ in rows):
+        paths, lengths, bonus = GreedyAcceptance.accept_rows(tree, tokens, logits)
+        path_tokens = tokens.gather(1, paths)
+        host = torch.cat([paths, path_tokens, lengths[:, None], bonus[:, None]], dim=1).tolist()  # one copy
+        width = paths.shape[1]
+        accepted = [Accepted(paths[b, : row[-2] + 1], row[-1]) for b, row in enumerate(host)]
+        nodes = [row[: row[-2] + 1] for row in host]
+        new = [row[width + 1 : width + row[-2] + 1] + [row[-1]] for row in host]
+    else:
+        accepted = [acceptance.accept(draft, logits[b]) for b, (draft, (_, acceptance, _))
+                    in enumerate(zip(drafts, rows))]
+        nodes = [a.nodes.tolist() for a in accepted]
+        new = [draft.tokens[a.nodes[1:]].tolist() + [a.bonus] for draft, a in zip(drafts, accepted)]
+    cache.commit(nodes)
+    for b, (drafter, _, _) in enumerate(rows):
+        if stats is not None and stats[b] is not None:
+            stats[b].record(tree.paths, nodes[b])
+        if hasattr(drafter, "observe"):
+            drafter.observe(drafts[b], accepted[b])
+    return [(accepted[b], new[b], hidden[b, accepted[b].nodes]) for b in range(len(rows))]
+
+
+def tree_decode_step(model: MedusaModel, drafter: Drafter, acceptance: Acceptance, cache: TreeCache,
                      state: DecodeState, stats: GenerationStats | None = None
                      ) -> tuple[Accepted, list[int], torch.Tensor]:
-    """Returns (accepted path, new tokens: accepted drafts + bonus, hidden states [n, H] of the accepted nodes,
-    the last one the one that predicted the bonus).
-    The step is recorded in `stats` and, for a drafter that learns from its results, passed to its `observe`."""
-    past_len = cache.get_seq_length()
-    draft = drafter.propose(state)
-    logits, hidden = verify(model, draft, cache, past_len)
-    accepted = acceptance.accept(draft, logits)
-    compact_cache(cache, past_len, accepted.nodes)
-    if stats is not None:
-        stats.record(draft.tree, accepted)
-    if hasattr(drafter, "observe"):
-        drafter.observe(draft, accepted)
-    new = draft.tokens[accepted.nodes[1:]].tolist() + [accepted.bonus]
-    return accepted, new, hidden[accepted.nodes]
+    """`decode_step` for a batch of one."""
+    return decode_step(model, cache, [(drafter, acceptance, state)], [stats])[0]
 
 
 def _cut(tokens: list[int], limit: int, eos: set[int]) -> tuple[list[int], bool]:
@@ -154,6 +241,90 @@ def _cut(tokens: list[int], limit: int, eos: set[int]) -> tuple[list[int], bool]
         if t in eos:
             return tokens[: i + 1], True
     return tokens[:limit], len(tokens) >= limit
+
+
+def _check(model: MedusaModel, requests: Sequence[Request]) -> None:
+    """One-line errors for requests that cannot run (together)."""
+    drafters = [request.drafter for request in requests if getattr(request.drafter, "per_sequence", False)]
+    if len({id(d) for d in drafters}) < len(drafters):
+        raise MedusaError("This drafter keeps state per sequence: give each request its own.")
+    context = getattr(model.backbone.config.get_text_config(), "max_position_embeddings", None)
+    for request in requests:
+        if not request.input_ids:
+            raise MedusaError("A prompt needs at least one token.")
+        tree_size = request.drafter.tree.size
+        needed = len(request.input_ids) + request.max_new_tokens + tree_size
+        if context is not None and needed > context:
+            raise MedusaError(
+                f"The prompt ({len(request.input_ids)} tokens) plus max_new_tokens ({request.max_new_tokens}) and "
+                f"the tree ({tree_size}) exceed the model's context of {context} tokens; shorten the prompt or "
+                "max_new_tokens.")
+
+
+def decode(model: MedusaModel, requests: Sequence[Request], eos_token_ids: Sequence[int] = ()
+           ) -> Iterator[tuple[int, list[int]]]:
+    r"""
+    Decode `requests` together in one batch, yielding (request index, its new tokens) after each forward that
+    gave that request tokens. A request ends at an EOS (yielded), its `max_new_tokens` or its `stop`; it then
+    leaves the batch, and the others go on.
+    """
+    if not requests:
+        return
+    _check(model, requests)
+    deepest = max(request.drafter.tree.max_depth for request in requests)  # rows verify each other's nodes too
+    for request in requests:
+        request.stats.prompt_tokens = len(request.input_ids)
+        request.stats.init_depths(deepest)
+    live = [i for i, request in enumerate(requests) if request.max_new_tokens > 0]
+    if not live:
+        return
+    eos = set(eos_token_ids)
+    start = time.perf_counter()
+    prompts = [requests[i].input_ids for i in live]
+    width = max(len(p) for p in prompts)
+    most_new = max(requests[i].max_new_tokens for i in live)
+    trees = sum(requests[i].drafter.tree.size for i in live)  # bounds the union of the rows' trees
+    cache = TreeCache(model.backbone, len(live), width + most_new + trees + deepest)
+    logits, hidden = prefill(model, prompts, cache)
+    rows, finished = [], []
+    for b, i in enumerate(live):
+        request = requests[i]
+        root = request.acceptance.first_token(logits[b])
+        request.stats.prefill_seconds = time.perf_counter() - start
+        request.stats.new_tokens = 1
+        row = _Row(i, request, request.input_ids + [root], [root], hidden[b, width - len(request.input_ids):])
+        rows.append(row)
+        yield i, [root]
+        stop = request.stop is not None and request.stop(row.new_ids) is not None
+        if root in eos or request.max_new_tokens == 1 or stop:
+            finished.append(b)
+
+    start = time.perf_counter()
+    while True:
+        if finished:
+            rows = [row for b, row in enumerate(rows) if b not in finished]
+            if not rows:
+                return
+            cache.keep_rows([b for b in range(cache.batch_size) if b not in finished])
+            finished = []
+        steps = decode_step(model, cache, [
+            (row.request.drafter, row.request.acceptance,
+             DecodeState(row.sequence, row.sequence[-1], row.hidden[-1], fresh_hidden=row.hidden))
+            for row in rows], [row.request.stats for row in rows])
+        for b, (row, (_, tokens, hidden)) in enumerate(zip(rows, steps)):
+            request = row.request
+            tokens, done = _cut(tokens, request.max_new_tokens - len(row.new_ids), eos)
+            if request.stop is not None and (keep := request.stop(row.new_ids + tokens)) is not None:
+                tokens, done = tokens[: max(keep - len(row.new_ids), 0)], True
+            row.sequence += tokens
+            row.new_ids += tokens
+            row.hidden = hidden
+            request.stats.new_tokens = len(row.new_ids)
+            request.stats.decode_seconds = time.perf_counter() - start
+            if tokens:
+                yield row.index, tokens
+            if done:
+                finished.append(b)
 
 
 def generate_ids(
@@ -176,49 +347,10 @@ def generate_ids(
         stop: called with all new tokens so far; returns how many to keep when a stop condition is met.
         stats: filled in as decoding goes.
     """
-    acceptance = acceptance or GreedyAcceptance()
-    stats = stats if stats is not None else GenerationStats()
-    input_ids = input_ids.reshape(1, -1).to(model.device)
-    tree_size = drafter.tree.size
-    context = getattr(model.backbone.config.get_text_config(), "max_position_embeddings", None)
-    needed = input_ids.shape[1] + max_new_tokens + tree_size
-    if context is not None and needed > context:
-        raise MedusaError(
-            f"The prompt ({input_ids.shape[1]} tokens) plus max_new_tokens ({max_new_tokens}) and the tree "
-            f"({tree_size}) exceed the model's context of {context} tokens; shorten the prompt or max_new_tokens."
-        )
-    stats.prompt_tokens = input_ids.shape[1]
-    stats.init_depths(drafter.tree.max_depth)
-    eos = set(eos_token_ids)
-    if max_new_tokens <= 0:
-        return
-
-    start = time.perf_counter()
-    cache = new_cache(model.backbone)
-    logits, hidden = prefill(model, input_ids, cache)
-    check_compactable(cache)
-    root = acceptance.first_token(logits)
-    stats.prefill_seconds = time.perf_counter() - start
-    sequence = input_ids[0].tolist() + [root]
-    new_ids = [root]
-    stats.new_tokens = 1
-    done = root in eos or max_new_tokens == 1 or (stop is not None and stop(new_ids) is not None)
-    yield [root]
-
-    start = time.perf_counter()
-    while not done:
-        state = DecodeState(sequence, root, hidden[-1], fresh_hidden=hidden)
-        _, tokens, hidden = tree_decode_step(model, drafter, acceptance, cache, state, stats)
-        tokens, done = _cut(tokens, max_new_tokens - len(new_ids), eos)
-        if stop is not None and (keep := stop(new_ids + tokens)) is not None:
-            tokens, done = tokens[: max(keep - len(new_ids), 0)], True
-        sequence += tokens
-        new_ids += tokens
-        root = tokens[-1] if tokens else root
-        stats.new_tokens = len(new_ids)
-        stats.decode_seconds = time.perf_counter() - start
-        if tokens:
-            yield tokens
+    request = Request(input_ids.reshape(-1).tolist(), drafter, acceptance or GreedyAcceptance(), max_new_tokens,
+                      stop, stats if stats is not None else GenerationStats())
+    for _, tokens in decode(model, [request], eos_token_ids):
+        yield tokens
 
 
 @dataclass
@@ -273,3 +405,22 @@ def generate(model: MedusaModel, tokenizer: PreTrainedTokenizerBase, prompt: str
                                        eos_token_ids(model, tokenizer), stop_strings_check(tokenizer, stop_strings), stats)
            for t in chunk]
     return Generation(tokenizer.decode(ids, skip_special_tokens=True), ids, stats)
+
+
+def generate_batch(model: MedusaModel, tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str],
+                   drafters: Sequence[Drafter], acceptances: Sequence[Acceptance] | None = None,
+                   max_new_tokens: int = 128, stop_strings: Sequence[str] = (), raw: bool = False) -> list[Generation]:
+    """Decode several prompts together in one batch, one drafter per prompt (`make_drafters` gives them);
+    each answer is what `generate` gives for its prompt alone (exactly so with greedy acceptance in fp32)."""
+    acceptances = acceptances or [GreedyAcceptance()] * len(prompts)
+    if not len(prompts) == len(drafters) == len(acceptances):
+        raise MedusaError(f"{len(prompts)} prompts need as many drafters and acceptance rules, got "
+                          f"{len(drafters)} and {len(acceptances)}.")
+    requests = [Request(encode_prompt(tokenizer, prompt, raw)[0].tolist(), drafter, acceptance, max_new_tokens,
+                        stop_strings_check(tokenizer, stop_strings))
+                for prompt, drafter, acceptance in zip(prompts, drafters, acceptances)]
+    ids: list[list[int]] = [[] for _ in requests]
+    for index, tokens in decode(model, requests, eos_token_ids(model, tokenizer)):
+        ids[index] += tokens
+    return [Generation(tokenizer.decode(new, skip_special_tokens=True), new, request.stats)
+            for new, request in zip(ids, requests)]

@@ -24,6 +24,7 @@ from .drafters.dynamic import AdaptiveDrafter, DynamicDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.heads import MedusaDrafter
 from .drafters.ngram import MedusaNgramDrafter, NgramDrafter
+from .drafters.plain import PlainDrafter
 
 DEFAULT_TREE = "cpu-8"
 
@@ -102,6 +103,8 @@ DRAFTERS: dict[str, DrafterSpec] = {
                            lambda model, budget=16: DynamicDrafter(model, budget), ("budget",)),
     "adaptive": DrafterSpec("a dynamic tree whose size is chosen each step (up to 32 nodes by default)",
                             lambda model, budget=32: AdaptiveDrafter(model, budget), ("budget",)),
+    "plain": DrafterSpec("no drafts: one token per forward (the baseline)", lambda model: PlainDrafter(model.device),
+                         uses_heads=False),
 }
 
 
@@ -136,6 +139,18 @@ def check_drafter_options(name: str, **options) -> dict:
     if "tree" in given:
         load_tree(given["tree"])  # a broken tree fails now
     return given
+
+
+def make_drafters(model: MedusaModel, name: str, count: int, **options) -> list[Drafter]:
+    """`count` drafters for sequences decoded together: the same one repeated when it keeps no state per
+    sequence, else one each (a draft model is loaded once and shared)."""
+    given = check_drafter_options(name, **options)
+    if isinstance(given.get("draft_model"), str):
+        given["draft_model"] = load_backbone(given["draft_model"], dtype=model.backbone.dtype, device=model.device)
+    first = DRAFTERS[name].build(model, **given)
+    if not getattr(first, "per_sequence", False):
+        return [first] * count
+    return [first] + [DRAFTERS[name].build(model, **given) for _ in range(count - 1)]
 
 
 def make_drafter(model: MedusaModel, name: str = "medusa", **options) -> Drafter:

@@ -1,14 +1,14 @@
 """Tree decoding on the real SmolLM2 model in fp32: HF `generate` is the oracle."""
 
-import copy
 import random
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from medusa_heads.inference import (DecodeState, Draft, GreedyAcceptance, MedusaDrafter, TypicalAcceptance,
                                     heads_drafter)
-from medusa_heads.inference.cache import new_cache
+from medusa_heads.inference.cache import TreeCache
 from medusa_heads.inference.generate import GenerationStats, encode_prompt, prefill, tree_decode_step, verify
 from medusa_heads.tree import build_tree, load_tree
 
@@ -83,17 +83,14 @@ def test_typical_acceptance_is_reproducible_with_a_seed(model, tokenizer, chat_p
 def test_tree_logits_equal_sequential_decoding_per_path(model, tokenizer, chat_prompts):
     tree = build_tree(load_tree("cpu-16"))
     ids = encode_prompt(tokenizer, chat_prompts[2])
-    cache = new_cache(model.backbone)
-    _, _ = prefill(model, ids, cache)
-    before = copy.deepcopy(cache)
-    past = cache.get_seq_length()
+    cache = TreeCache(model.backbone, 1, ids.shape[1] + tree.size)
+    prefill(model, ids.tolist(), cache)
     tokens = torch.randint(0, 49152, (tree.size,), generator=torch.Generator().manual_seed(0))
-    tree_logits, _ = verify(model, Draft(tree, tokens), cache, past)
+    tree_logits = verify(model, tree, tokens[None], cache)[0][0]
     for row in range(tree.retrieve.shape[0]):
         path = tree.retrieve[row][tree.retrieve_valid[row]]
-        plain = copy.deepcopy(before)
         with torch.no_grad():
-            seq_logits = model.backbone(tokens[path][None], cache=plain).logits[0]
+            seq_logits = model.backbone(torch.cat([ids[0], tokens[path]])[None]).logits[0, ids.shape[1]:]
         torch.testing.assert_close(tree_logits[path], seq_logits, atol=1e-4, rtol=1e-4)
 
 
@@ -101,8 +98,8 @@ def test_cache_after_a_step_equals_plain_decoding_of_the_accepted_tokens(model, 
     tree = build_tree(load_tree("cpu-16"))
     ids = encode_prompt(tokenizer, chat_prompts[3])
     reference = hf_greedy(backbone, ids, 8)
-    cache = new_cache(model.backbone)
-    logits, hidden = prefill(model, ids, cache)
+    cache = TreeCache(model.backbone, 1, ids.shape[1] + 2 * tree.size)
+    logits, hidden = (x[0] for x in prefill(model, ids.tolist(), cache))
     root = int(logits.argmax())
     drafter = OracleDrafter(tree, ids.shape[1], reference, seed=5)
     # Pick a seed whose hidden path is not the first branch, so the gather is not a no-op.
@@ -110,13 +107,14 @@ def test_cache_after_a_step_equals_plain_decoding_of_the_accepted_tokens(model, 
     accepted, new_tokens, _ = tree_decode_step(model, drafter, GreedyAcceptance(), cache, state)
     assert accepted.depth >= 2 and accepted.nodes.tolist() != list(range(accepted.depth + 1))
     kept = torch.cat([ids[0], torch.tensor([root] + new_tokens[:-1])])[None]
-    plain = new_cache(model.backbone)
+    plain = DynamicCache(config=model.backbone.config)
     with torch.no_grad():
         model.backbone(kept, cache=plain)
-    assert cache.get_seq_length() == plain.get_seq_length() == kept.shape[1]
-    for ours, theirs in zip(cache.layers, plain.layers):
-        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(ours.values, theirs.values, atol=1e-4, rtol=1e-4)
+    assert cache.lengths == [kept.shape[1]] == [plain.get_seq_length()]
+    assert cache.valid[0].tolist() == [True] * kept.shape[1] + [False] * (cache.size - kept.shape[1])
+    for ours, theirs in zip(cache.cache.layers, plain.layers):
+        torch.testing.assert_close(ours.keys[:, :, : kept.shape[1]], theirs.keys, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ours.values[:, :, : kept.shape[1]], theirs.values, atol=1e-4, rtol=1e-4)
     assert [root] + new_tokens == reference[: len(new_tokens) + 1]
 
 
@@ -158,8 +156,7 @@ def test_hydra_tree_is_filled_path_by_path(random_hydra_model, tokenizer):
     tree = build_tree(load_tree("cpu-16"))
     drafter = MedusaDrafter(random_hydra_model, tree)
     ids = encode_prompt(tokenizer, "Name a colour.")
-    cache = new_cache(random_hydra_model.backbone)
-    _, hidden = prefill(random_hydra_model, ids, cache)
+    hidden = prefill(random_hydra_model, ids.tolist(), TreeCache(random_hydra_model.backbone, 1, ids.shape[1]))[1][0]
     tokens = drafter.fill(DecodeState(ids[0].tolist() + [42], 42, hidden[-1]), tree)
     for node, path in enumerate(tree.paths, start=1):  # each node: its parent's guess of its rank, given the path
         ancestors = [tree.paths.index(path[:d]) + 1 for d in range(1, len(path))]

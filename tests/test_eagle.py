@@ -9,7 +9,7 @@ import torch
 from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward
 from medusa_heads.inference import DecodeState, EagleDrafter, MedusaDrafter, make_drafter
-from medusa_heads.inference.cache import new_cache
+from medusa_heads.inference.cache import TreeCache
 from medusa_heads.inference.generate import prefill
 from medusa_heads.model import SHIPPED_HEADS, load_heads, untrained_heads
 from medusa_heads.training.recipe import TrainConfig
@@ -34,7 +34,7 @@ def test_training_unroll_predicts_what_drafting_drafts(eagle_model, tokenizer, r
     chain = build_tree([(0,) * d for d in range(1, 5)])
     cfg = TrainConfig(num_heads=4, head_type="eagle")
     for ids, _ in references[:2]:
-        logits, hidden = prefill(eagle_model, ids, new_cache(eagle_model.backbone))
+        logits, hidden = (x[0] for x in prefill(eagle_model, ids.tolist(), TreeCache(eagle_model.backbone, 1, ids.shape[1])))
         root = int(logits.argmax())
         drafted = EagleDrafter(eagle_model, chain).fill(DecodeState(ids[0].tolist() + [root], root, hidden[-1], hidden),
                                                         chain)[1:]

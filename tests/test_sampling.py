@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.inference import (DecodeState, Draft, ExactAcceptance, TypicalAcceptance, Warper, generate_ids,
                                     make_acceptance)
-from medusa_heads.inference.cache import new_cache
+from medusa_heads.inference.cache import TreeCache
 from medusa_heads.inference.generate import prefill, verify
 from medusa_heads.model import untrained_heads
 from medusa_heads.tree import TreeBuffers, build_tree, load_tree
@@ -83,17 +83,17 @@ class TreeSampler:
 
     def prefill(self, prompt: tuple[int, ...]):
         """(logits [V], hidden [L, H]) after `prompt`, and a cache holding it (fresh each call)."""
-        cache = new_cache(self.model.backbone)
-        logits, hidden = prefill(self.model, torch.tensor([prompt]), cache)
-        return logits, hidden, cache
+        cache = TreeCache(self.model.backbone, 1, len(prompt) + 2 * self.drafter.tree.size)
+        logits, hidden = prefill(self.model, [list(prompt)], cache)
+        return logits[0], hidden[0], cache
 
     def step(self, context: tuple[int, ...]) -> tuple[Draft, torch.Tensor]:
         """The draft and the tree's logits of the step whose root is `context`'s last token."""
         if context not in self.steps:
             _, hidden, cache = self.prefill(context[:-1])
             draft = self.drafter.propose(DecodeState(list(context), context[-1], hidden[-1], hidden))
-            logits, _ = verify(self.model, draft, cache, cache.get_seq_length())
-            self.steps[context] = draft, logits
+            logits, _ = verify(self.model, draft.tree, draft.tokens[None], cache)
+            self.steps[context] = draft, logits[0]
         return self.steps[context]
 
     @torch.no_grad()

@@ -33,6 +33,8 @@ class DraftModelDrafter:
         length: drafted tokens per step.
     """
 
+    per_sequence = True  # its cache follows one sequence
+
     def __init__(self, model: MedusaModel, draft: PreTrainedModel, length: int = 4):
         vocab, draft_vocab = (m.get_output_embeddings().weight.shape[0] for m in (model.backbone, draft))
         if vocab != draft_vocab:

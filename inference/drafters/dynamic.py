@@ -208,6 +208,8 @@ class AdaptiveDrafter:
         decay: weight of the past in the calibration's moving averages, per step.
     """
 
+    per_sequence = True  # its calibration follows one sequence's acceptance
+
     def __init__(self, model: MedusaModel, max_budget: int = 32, top_k: int = DEFAULT_TOP_K,
                  cost: Callable[[int], float] | Sequence[float] | None = None, head_cost: float = 0.1,
                  decay: float = 0.95):

@@ -21,6 +21,8 @@ class EagleDrafter:
     backbone's real features.
     """
 
+    per_sequence = True  # its cache follows one sequence
+
     def __init__(self, model: MedusaModel, tree: TreeBuffers):
         if not model.heads.drafts_over_context:
             raise MedusaError(f"EagleDrafter needs a drafter over the context (`head_type: eagle`), not "

@@ -62,6 +62,10 @@ class MedusaNgramDrafter:
         self.ngram_length, self.max_ngram, self.min_ngram = ngram_length, max_ngram, min_ngram
         self.store = store
 
+    @property
+    def per_sequence(self) -> bool:
+        return getattr(self.heads, "per_sequence", False)
+
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Draft:
         follow = ngram_lookup(state.token_ids, self.ngram_length, self.max_ngram, self.min_ngram)

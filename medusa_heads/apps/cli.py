@@ -26,8 +26,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log more")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="answer one prompt with tree decoding and print statistics")
-    g.add_argument("--prompt", required=True)
+    g = sub.add_parser("generate", help="answer one prompt (or a file of them) with tree decoding; print statistics")
+    what = g.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt")
+    what.add_argument("--prompts-file", type=Path, help="jsonl with a `prompt` per line: answered in batches of "
+                      "--batch-size, one JSON object per answer on stdout, in the file's order")
+    g.add_argument("--batch-size", type=int, default=8, help="--prompts-file: prompts decoded together")
     g.add_argument("--model", help="backbone hub id or folder (default: the embedded SmolLM2-135M-Instruct)")
     g.add_argument("--heads", help="heads folder or hub id (default: the heads shipped for the model)")
     g.add_argument("--tree", help=f"{', '.join(drafters_taking('tree'))}: a shipped tree name or a JSON file "
@@ -221,6 +225,9 @@ def _generate(args) -> None:
                                     draft_length=args.draft_length, exit_layer=args.exit_layer, budget=args.budget)
     acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
                                  device=args.device, top_k=args.top_k, top_p=args.top_p)
+    if args.prompts_file is not None:
+        _generate_file(args, options, acceptance)
+        return
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     tokenizer = _tokenizer(args, model)
     drafter = make_drafter(model, args.drafter, **options)
@@ -241,6 +248,39 @@ def _generate(args) -> None:
     print(f"[{_configuration(args, model, drafter, options)}]", file=sys.stderr)
     if args.stats:
         print("\n".join(_stats_lines(stats)), file=sys.stderr)
+
+
+def _generate_file(args, options: dict, acceptance) -> None:
+    """`generate --prompts-file`: the prompts in batches, one JSON line per answer."""
+    import time
+
+    from medusa_heads.inference import generate_batch, make_drafters
+    from medusa_heads.model import MedusaModel
+
+    from .bench import read_bench_prompts
+
+    if args.batch_size < 1:
+        raise MedusaError(f"`--batch-size` must be at least 1, got {args.batch_size}.")
+    if args.acceptance != "greedy" and args.batch_size > 1:
+        # one sampler for the whole batch would make each answer depend on the others
+        raise MedusaError("Sampling with --prompts-file needs --batch-size 1 (each answer its own random draws).")
+    rows = read_bench_prompts(args.prompts_file)
+    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
+    tokenizer = _tokenizer(args, model)
+    start, tokens = time.perf_counter(), 0
+    for first in range(0, len(rows), args.batch_size):
+        batch = rows[first : first + args.batch_size]
+        drafters = make_drafters(model, args.drafter, len(batch), **options)
+        results = generate_batch(model, tokenizer, [row["prompt"] for row in batch], drafters,
+                                 [acceptance] * len(batch), args.max_new_tokens, args.stop, args.raw)
+        for row, result in zip(batch, results):
+            tokens += result.stats.new_tokens
+            print(json.dumps({"id": row["id"], "prompt": row["prompt"], "text": result.text,
+                              "token_ids": result.token_ids, **result.stats.as_dict()}), flush=True)
+    seconds = time.perf_counter() - start
+    print(f"[{len(rows)} prompts, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tokens/s), batches of "
+          f"{args.batch_size}]", file=sys.stderr)
+    print(f"[{_configuration(args, model, drafters[0], options)}]", file=sys.stderr)
 
 
 def _configuration(args, model, drafter, options: dict) -> str:

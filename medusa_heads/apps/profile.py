@@ -24,15 +24,15 @@ from typing import Sequence
 
 import torch
 
-from medusa_heads.backbone import backbone_forward, cache_home
+from medusa_heads.backbone import cache_home
 from medusa_heads.errors import MedusaError, read_json
 from medusa_heads.model import MedusaModel
-from medusa_heads.tree import TreeBuffers, build_tree
+from medusa_heads.tree import TreeBuffers, build_tree, canonical_tree
 from medusa_heads.tree.optimize import grow_tree
 
 from medusa_heads.inference import Accepted, DecodeState, Draft, GreedyAcceptance, MedusaDrafter
-from medusa_heads.inference.cache import new_cache
-from medusa_heads.inference.generate import tree_decode_step
+from medusa_heads.inference.cache import TreeCache
+from medusa_heads.inference.generate import prefill, tree_decode_step, verify
 
 DEFAULT_SIZES = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DEFAULT_CONTEXTS = (128, 512)
@@ -139,10 +139,10 @@ def synthetic_tree(model: MedusaModel, nodes: int) -> TreeBuffers:
     return build_tree(grow_tree(p, nodes), model.device)
 
 
-def _plain_step(model: MedusaModel, cache, state: DecodeState) -> None:
+def _plain_step(model: MedusaModel, cache: TreeCache, state: DecodeState) -> None:
     """The 1-node step every cost is relative to: plain greedy decoding of one token, no heads."""
-    logits, _ = backbone_forward(model.backbone, torch.tensor([[state.root]], device=model.device), cache,
-                                 logits_to_keep=1)
+    root = canonical_tree((), model.device)
+    logits, _ = verify(model, root, torch.tensor([[state.root]], device=model.device), cache)
     logits[0, -1].argmax().item()  # the token, read as decoding reads it
 
 
@@ -166,8 +166,8 @@ def measure_profile(model: MedusaModel, sizes: Sequence[int] = DEFAULT_SIZES,
     step_ms = {}
     for context in contexts:
         ids = torch.randint(0, vocab, (1, context + 1), generator=generator).to(model.device)
-        cache = new_cache(model.backbone)
-        _, hidden = backbone_forward(model.backbone, ids[:, :context], cache, logits_to_keep=1)
+        cache = TreeCache(model.backbone, 1, context + 2 * sizes[-1])
+        _, hidden = prefill(model, [ids[0, :context].tolist()], cache)
         state = DecodeState(ids[0].tolist(), int(ids[0, -1]), hidden[0, -1])
         times = {n: [] for n in sizes}
         for rep in range(warmup + repeats):
@@ -182,7 +182,7 @@ def measure_profile(model: MedusaModel, sizes: Sequence[int] = DEFAULT_SIZES,
                 _sync(model.device)
                 if rep >= warmup:
                     times[n].append(time.perf_counter() - start)
-                cache.crop(context - cache.get_seq_length())  # back to the same context for the next step
+                cache.rewind(context)  # back to the same context for the next step
         step_ms[str(context)] = [round(1000 * statistics.median(times[n]), 4) for n in sizes]
     return LatencyProfile(model=model.config.base_model_name_or_path or model.backbone.name_or_path,
                           heads=heads_signature(model), device=device_name(model.device),
