@@ -1,15 +1,16 @@
 """A bounded load test of `medusa-heads serve` on loopback, with speculation on and off.
 
-    python benchmarks/load_test.py [--clients 24] [--max-tokens 24] [--threads 1] \
+    python benchmarks/load_test.py [--clients 24] [--max-tokens 24] [--threads 1] [--dtype bfloat16] \
         [--config NAME="SERVER ARGS" ...] [--out load.json]
 
 For each configuration (by default `speculative`, the default drafter and tree, and `plain`, `--drafter dynamic
 --budget 0`: the same loop drafting nothing) it starts a server on a free port, sends one warm-up request, then
 has `--clients` clients send one streamed greedy chat request each, all at once (a prompt of
 benchmarks/prompts.jsonl each), and stops the server. It reports throughput, latency and time to first token
-(p50/p95, measured by the clients) and tokens per verification step (from /metrics). Greedy decoding is
-lossless, so every answer must be the same under every configuration: a lost, failed or mixed-up response
-fails the run.
+(p50/p95, measured by the clients), tokens per verification step and the mean batch size (from /metrics). Greedy
+decoding is lossless, so in float32 every answer must be the same under every configuration: a lost, failed or
+mixed-up response fails the run. In a lower precision a batched or tree forward rounds differently from a
+single-token one, so answers may drift apart after a near tie: they are counted, not failed on.
 """
 
 import argparse
@@ -103,6 +104,7 @@ def run(name: str, server_args: list[str], prompts: list[str], max_tokens: int) 
         proc.terminate()
         proc.wait(timeout=60)
     ok = [r for r in results if "error" not in r]
+    batches = after["medusa_batch_size_count"] - before["medusa_batch_size_count"]
     steps = after["medusa_speculative_verification_steps_total"] - before["medusa_speculative_verification_steps_total"]
     accepted = after["medusa_speculative_accepted_tokens_total"] - before["medusa_speculative_accepted_tokens_total"]
     tokens = sum(r["tokens"] for r in ok)
@@ -113,6 +115,7 @@ def run(name: str, server_args: list[str], prompts: list[str], max_tokens: int) 
         "requests_per_second": len(ok) / wall, "latency_p50": percentile(latencies, 0.5),
         "latency_p95": percentile(latencies, 0.95), "ttft_p50": percentile(ttfts, 0.5),
         "ttft_p95": percentile(ttfts, 0.95), "tokens_per_step": (accepted + steps) / max(steps, 1),
+        "mean_batch": (after["medusa_batch_size_sum"] - before["medusa_batch_size_sum"]) / max(batches, 1),
         "texts": [r.get("text") for r in results], "error_messages": [r["error"] for r in results if "error" in r],
     }
 
@@ -122,6 +125,7 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=24, help="concurrent clients, one request each")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    parser.add_argument("--dtype", default="float32", help="the servers' dtype")
     parser.add_argument("--config", action="append", metavar='NAME="SERVER ARGS"',
                         help=f"a server configuration (repeatable; default: {CONFIGS})")
     parser.add_argument("--prompts", type=Path, default=ROOT / "benchmarks" / "prompts.jsonl")
@@ -132,23 +136,26 @@ def main() -> None:
     results = []
     for config in args.config or CONFIGS:
         name, _, server_args = config.partition("=")
-        server = shlex.split(server_args) + ["--threads", str(args.threads), "--max-queue", str(args.clients)]
+        server = shlex.split(server_args) + ["--threads", str(args.threads), "--max-queue", str(args.clients),
+                                             "--dtype", args.dtype]
         results.append(run(name, server, prompts, args.max_tokens))
         print(f"{name}: done in {results[-1]['wall_seconds']:.1f} s", file=sys.stderr)
     print("| config | server args | requests | errors | tokens/s | requests/s | latency p50 / p95 (s) | "
-          "TTFT p50 / p95 (s) | tokens per step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "TTFT p50 / p95 (s) | tokens per step | mean batch |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['config']} | `{' '.join(r['server_args'])}` | {r['requests']} | {r['errors']} | "
               f"{r['tokens_per_second']:.1f} | {r['requests_per_second']:.2f} | {r['latency_p50']:.1f} / "
-              f"{r['latency_p95']:.1f} | {r['ttft_p50']:.1f} / {r['ttft_p95']:.1f} | {r['tokens_per_step']:.2f} |")
-    same = all(r["texts"] == results[0]["texts"] for r in results)
-    print(f"\nanswers identical across configurations: {same}")
+              f"{r['latency_p95']:.1f} | {r['ttft_p50']:.1f} / {r['ttft_p95']:.1f} | {r['tokens_per_step']:.2f} | "
+              f"{r['mean_batch']:.1f} |")
+    differing = sum(len({r["texts"][i] for r in results}) > 1 for i in range(len(prompts)))
+    print(f"\nanswers that differ between configurations: {differing} of {len(prompts)}")
+    lost = differing > 0 and args.dtype == "float32"  # lossless there: a differing answer is a mixed-up one
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     failures = [m for r in results for m in r["error_messages"]]
-    if failures or not same or not all(results[0]["texts"]):
-        sys.exit(f"load test failed: {len(failures)} errors {failures[:3]}, identical answers: {same}")
+    if failures or lost or not all(results[0]["texts"]):
+        sys.exit(f"load test failed: {len(failures)} errors {failures[:3]}, {differing} differing answers")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """`medusa-heads serve`: the real server in a subprocess (the embedded default, fp32), queried with the official
 `openai` client and raw HTTP. Greedy answers over the server equal `generate` in this process, also with
-parallel clients; metrics move by exactly one request's statistics; bad input gets OpenAI-style errors and the
-next request is served."""
+parallel clients decoded in one batch; metrics move by exactly one request's statistics; bad input gets OpenAI-style
+errors and the next request is served."""
 
 import json
 import socket
@@ -22,8 +22,9 @@ from medusa_heads.inference import generate, make_drafter
 
 from test_cli import assert_clean_error  # noqa: E402  (pytest puts tests/ on sys.path)
 
-MAX_QUEUE = 4
+MAX_QUEUE = 5
 MAX_TOKENS = 24
+BATCH = 4  # parallel requests: the server's drafter still drafts for them (SPECULATE_UP_TO)
 # The server and the in-process references decode with one thread each: the same numerics on both sides, and no
 # oversubscription of a small machine (two processes with two threads each on two cores are many times slower).
 THREADS = 1
@@ -159,20 +160,77 @@ def test_stop_string_ends_the_answer_before_it(client, reference, chat_prompts, 
     assert text == expected and finish == "stop"
 
 
-@pytest.mark.slow
-def test_seeded_sampling_repeats(client):
-    answers = [chat(client, "Tell me a joke.", temperature=0.9, seed=7, max_tokens=16).choices[0].message.content
-               for _ in range(2)]
-    assert answers[0] == answers[1] and answers[0]
+def batches(url: str) -> tuple[float, float, float]:
+    """The batch-size histogram: (batches, requests in them, batches of more than 4)."""
+    m = metrics(url)
+    count = m[("medusa_batch_size_count", ())]
+    return count, m[("medusa_batch_size_sum", ())], count - m[("medusa_batch_size_bucket", (("le", "4.0"),))]
+
+
+def while_busy(client, prompt: str, requests: list, **options) -> tuple[str, list]:
+    """Sends `requests` (functions of no argument) together while the stream of `prompt` decodes alone, so that
+    they queue and the worker takes them as one batch. Returns the stream's text and their results."""
+    pieces = (c.choices[0].delta.content for c in chat(client, prompt, stream=True, **options)
+              if c.choices and c.choices[0].delta.content)
+    first = next(pieces)  # it is decoding
+    with ThreadPoolExecutor(len(requests)) as pool:
+        results = list(pool.map(lambda request: request(), requests))
+    return first + "".join(pieces), results
+
+
+def answer(client, prompt: str, **options):
+    return lambda: chat(client, prompt, **options).choices[0].message.content
 
 
 @pytest.mark.slow
-def test_parallel_clients_get_their_own_answers(client, reference, chat_prompts):
-    prompts = chat_prompts[3 : 3 + MAX_QUEUE]  # all may arrive before the worker takes the first
+def test_parallel_clients_are_batched_and_get_their_own_answers(server, client, reference, chat_prompts):
+    prompts = chat_prompts[3 : 3 + BATCH]
     refs = [reference(p, 16).text for p in prompts]
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        answers = list(pool.map(lambda p: chat(client, p, max_tokens=16).choices[0].message.content, prompts))
-    assert answers == refs
+    before = batches(server)
+    first, answers = while_busy(client, chat_prompts[0], [answer(client, p, max_tokens=16) for p in prompts])
+    assert answers == refs and first == reference(chat_prompts[0]).text
+    count, rows, _ = (a - b for a, b in zip(batches(server), before))
+    assert rows > count  # a batch of more than one
+    assert metrics(server)[("medusa_running_batch_size", ())] == 0
+
+
+@pytest.mark.slow
+def test_a_cancelled_stream_leaves_its_batch_and_the_others_go_on(server, client, reference, chat_prompts):
+    prompts = chat_prompts[3 : 3 + BATCH - 1]
+    refs = [reference(p, 16).text for p in prompts]
+    before, before_batches = metrics(server), batches(server)
+    long = {"messages": [{"role": "user", "content": chat_prompts[8]}], "max_tokens": 300, "temperature": 0,
+            "stream": True}
+
+    def hang_up() -> None:  # after its first block of text, while the others decode
+        with httpx.stream("POST", f"{server}/v1/chat/completions", json=long, timeout=60) as stream:
+            next(line for line in stream.iter_lines() if '"content": "' in line and '"content": ""' not in line)
+
+    _, answers = while_busy(client, chat_prompts[0], [hang_up] + [answer(client, p, max_tokens=16) for p in prompts])
+    assert answers[1:] == refs
+    key = ("medusa_requests_total", (("status", "cancelled"),))
+    deadline = time.monotonic() + 10
+    while metrics(server)[key] == before[key]:
+        assert time.monotonic() < deadline, "the abandoned request was not cancelled"
+        time.sleep(0.1)
+    after = metrics(server)
+    assert after[("medusa_generation_tokens_total", ())] - before[("medusa_generation_tokens_total", ())] < 200
+    count, rows, _ = (a - b for a, b in zip(batches(server), before_batches))
+    assert rows == 1 + BATCH and rows > count
+
+
+@pytest.mark.slow
+def test_a_seed_gives_the_same_answer_alone_and_in_a_batch(server, client, reference, chat_prompts):
+    """Alone, then in a batch of more than 4, whose unseeded requests draft nothing (which tokens a seed draws
+    depends on the drafts, so a seeded request keeps the server's drafter)."""
+    seeded = {"temperature": 0.9, "seed": 7}
+    prompts = chat_prompts[3 : 3 + BATCH]
+    refs = [reference(p, 16).text for p in prompts]
+    before = batches(server)
+    alone, answers = while_busy(client, "Tell me a joke.", [answer(client, "Tell me a joke.", **seeded)]
+                                + [answer(client, p, max_tokens=16) for p in prompts], **seeded)
+    assert alone and answers == [alone] + refs
+    assert batches(server)[2] - before[2] == 1  # the batch of five
 
 
 @pytest.mark.slow
@@ -200,8 +258,10 @@ def test_metrics_move_by_one_request(server, client, model, chat_prompts):
     assert delta("medusa_generation_tokens_total") == response.usage.completion_tokens
     assert delta("medusa_prompt_tokens_total") == response.usage.prompt_tokens
     assert delta("medusa_requests_total", status="ok") == 1
-    for histogram in ("request_latency_seconds", "time_to_first_token_seconds", "time_per_output_token_seconds"):
+    for histogram in ("request_latency_seconds", "time_to_first_token_seconds", "time_per_output_token_seconds",
+                      "batch_size"):
         assert delta(f"medusa_{histogram}_count") == 1
+    assert delta("medusa_batch_size_sum") == 1
     assert after[("medusa_queue_depth", ())] == 0 and after[("medusa_running_batch_size", ())] == 0
     families = text_string_to_metric_families(httpx.get(f"{server}/metrics").text)
     assert {f.name for f in families if "speculative" in f.name} == {

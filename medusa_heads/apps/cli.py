@@ -165,8 +165,8 @@ def _add_serve_command(sub) -> None:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     s.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503")
-    s.add_argument("--max-batch", type=int, default=1, help="requests decoded together; the runtime decodes one at "
-                   "a time for now, so values above 1 take effect once batched decoding exists")
+    s.add_argument("--max-batch", type=int, default=8, help="queued requests decoded together at most; large "
+                   "batches draft nothing (docs/serving.md)")
     _add_runtime_args(s)
 
 

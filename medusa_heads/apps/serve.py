@@ -26,7 +26,7 @@ from medusa_heads.errors import MedusaError
 from medusa_heads.model import MedusaModel
 
 from .serve_api import APIError, ChatRequest, CompletionRequest, Format, SamplingRequest, error_body, usage
-from .serve_engine import Engine, Failed, Finished, Job, Piece
+from .serve_engine import PLAIN, SPECULATE_UP_TO, Engine, Failed, Finished, Job, Piece
 from .serve_scheduler import QueueFull, Scheduler
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that its client is still there
@@ -124,7 +124,8 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str) -> FastAPI:
             acceptance = engine.acceptance(body.temperature, body.top_p, body.top_k, body.seed)
         except MedusaError as err:
             raise APIError(400, str(err)) from None
-        return Job(prompt_ids, body.new_tokens, body.stops, acceptance, asyncio.get_running_loop())
+        seeded = body.temperature > 0 and body.seed is not None
+        return Job(prompt_ids, body.new_tokens, body.stops, acceptance, asyncio.get_running_loop(), seeded)
 
     return app
 
@@ -198,7 +199,8 @@ def run_server(sock: socket.socket, model: MedusaModel, tokenizer: PreTrainedTok
     scheduler = Scheduler(engine, max_queue, max_batch)
     app = create_app(engine, scheduler, model_id)
     host, port = sock.getsockname()[:2]
-    print(f"medusa-heads serve: {model_id}, {drafter} drafter ({engine.tree_size} tree nodes), greedy at "
-          f"temperature 0 and {sampling_rule} above, on http://{host}:{port}", file=sys.stderr, flush=True)
+    print(f"medusa-heads serve: {model_id}, batches of up to {scheduler.batch} requests ({drafter} drafter with "
+          f"{engine.tree_size} tree nodes up to {SPECULATE_UP_TO}, {PLAIN[0]} beyond), greedy at temperature 0 and "
+          f"{sampling_rule} above, on http://{host}:{port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose)
     uvicorn.Server(config).run(sockets=[sock])

@@ -4,15 +4,15 @@ import asyncio
 import logging
 import threading
 import time
+from collections import Counter
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from medusa_heads.backbone import load_backbone
-from medusa_heads.inference import GenerationStats, generate_ids, make_acceptance, make_drafter
+from medusa_heads.inference import DRAFTERS, GenerationStats, Request, decode, make_acceptance, make_drafter
 from medusa_heads.inference.draft import Acceptance, DecodeState, Draft, Drafter
 from medusa_heads.inference.generate import eos_token_ids, stop_strings_check
 from medusa_heads.inference.text import TextStream
@@ -53,6 +53,9 @@ class Job:
     stop: list[str]
     acceptance: Acceptance
     loop: asyncio.AbstractEventLoop
+    # Sampled with a seed: decoded with the server's drafter in a batch of any size, because which tokens a seed
+    # draws depends on the drafts (the seed gives the same answer alone and under load).
+    seeded: bool = False
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -118,18 +121,60 @@ class StopText:
         return self._release(final=True)
 
 
+# Batches of more rows than this draft nothing: benchmarks/batch_throughput.py measured that a tree forward over
+# more rows costs more than the tokens it accepts save ("speculation scaled down as the batch grows", issue 16).
+SPECULATE_UP_TO = 4
+# Drafting nothing: `plain` where the runtime has it, else a dynamic tree of no nodes (the same loop).
+PLAIN: tuple[str, dict] = ("plain", {}) if "plain" in DRAFTERS else ("dynamic", {"budget": 0})
+
+
+@dataclass
+class Row:
+    """A request being decoded in a batch: its drafter (logged), statistics, text and what it has been sent."""
+
+    job: Job
+    drafter_name: str
+    drafter: DraftLog
+    text: StopText
+    stop_strings: Callable[[list[int]], int | None] | None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    ids: list[int] = field(default_factory=list)
+    first: float | None = None  # when its first token came
+    recorded: int = 0  # its steps recorded in the metrics
+    keep: int | None = None  # its new ids to keep, once `stop` has ended it
+    failed: bool = False
+
+    @property
+    def drafter_config(self) -> str:
+        return f"{self.drafter_name} drafter ({self.drafter.tree.size} tree nodes)"
+
+    def stop(self, new_ids: list[int]) -> int | None:
+        """The request's `stop` for the runtime: its stop strings, and the end of a cancelled or failed request
+        (it leaves the batch at the next step)."""
+        if self.job.cancelled.is_set() or self.failed:
+            self.keep = len(new_ids)
+        elif self.stop_strings is not None:
+            self.keep = self.stop_strings(new_ids)
+        return self.keep
+
+    def done(self, eos: set[int]) -> bool:
+        """Whether decoding has ended for it (the runtime yields nothing more for it)."""
+        return (self.failed or (self.keep is not None and len(self.ids) >= self.keep)
+                or len(self.ids) >= self.job.max_tokens or bool(self.ids) and self.ids[-1] in eos)
+
+
 class Engine:
     r"""
-    Decodes requests with one model and records them in its `metrics`: a fresh drafter per request (drafters may keep per-sequence state, and the
-    adaptive one learns from its steps, so one request must not shape another's drafts or, under sampling, its
-    random draws), the request's own acceptance rule and RNG.
+    Decodes requests together with one model and records them in its `metrics`: a fresh drafter per request
+    (drafters may keep per-sequence state, and the adaptive one learns from its steps, so one request must not
+    shape another's drafts or, under sampling, its random draws), the request's own acceptance rule and RNG.
 
     `decode(jobs)` is what the scheduler calls with the requests it took from the queue, at most
-    `batch_capacity` of them. The runtime decodes one sequence at a time, so that is 1; batched decoding replaces
-    `decode` and raises it.
+    `batch_capacity` of them: they are decoded in one batch, each leaving it when it ends. In batches of more than
+    `SPECULATE_UP_TO` requests, those without a seed draft nothing.
     """
 
-    batch_capacity = 1
+    batch_capacity = 64  # bounds one batch's KV cache; `--max-batch` chooses below it
 
     def __init__(self, model: MedusaModel, tokenizer: PreTrainedTokenizerBase, drafter: str, drafter_options: dict,
                  sampling_rule: str):
@@ -143,10 +188,14 @@ class Engine:
         self.tree_size = tree.size
         self.metrics = ServerMetrics(tree.max_depth)
         self.context = getattr(model.backbone.config.get_text_config(), "max_position_embeddings", None)
-        self.eos = eos_token_ids(model, tokenizer)
+        self.eos = set(eos_token_ids(model, tokenizer))
 
     def new_drafter(self) -> Drafter:
         return make_drafter(self.model, self.drafter_name, **self.drafter_options)
+
+    def batch_drafter(self, job: Job, rows: int) -> tuple[str, dict]:
+        """The drafter name and options for `job` in a batch of `rows` requests."""
+        return (self.drafter_name, self.drafter_options) if rows <= SPECULATE_UP_TO or job.seeded else PLAIN
 
     def acceptance(self, temperature: float, top_p: float, top_k: int, seed: int | None) -> Acceptance:
         """Greedy at temperature 0, else the server's sampling rule; MedusaError for options the rule refuses."""
@@ -156,55 +205,91 @@ class Engine:
                                top_p=top_p)
 
     def decode(self, jobs: list[Job]) -> None:
+        """Decode `jobs` in one batch, sending each its events; requests cancelled meanwhile leave the batch at
+        its next step."""
         for job in jobs:
-            self._decode(job)
+            if job.cancelled.is_set():
+                self.metrics.requests.labels("cancelled").inc()
+        jobs = [job for job in jobs if not job.cancelled.is_set()]
+        if not jobs:
+            return
+        self.metrics.batch_sizes.observe(len(jobs))
+        self.metrics.batch_size.set(len(jobs))
+        running: list[Row] | None = None
+        try:
+            rows = [self._row(job, len(jobs)) for job in jobs]
+            log.info("a batch of %d: %s", len(rows), ", ".join(
+                f"{n} with {config}" for config, n in Counter(row.drafter_config for row in rows).items()))
+            requests = [Request(row.job.prompt_ids, row.drafter, row.job.acceptance, row.job.max_tokens, row.stop,
+                                row.stats) for row in rows]
+            running = list(rows)
+            with closing(decode(self.model, requests, self.eos)) as steps:
+                for index, tokens in steps:
+                    self._guard(rows[index], self._add, tokens)
+                    for row in [row for row in running if row.done(self.eos)]:
+                        running.remove(row)
+                        self._guard(row, self._finish)
+                        self.metrics.batch_size.set(len(running))
+        # The worker outlives any one batch: whatever failed fails the requests still running, the server goes on.
+        except Exception as err:  # noqa: BLE001
+            log.exception("batch failed")
+            for job in jobs if running is None else [row.job for row in running]:
+                self._fail(job, err)
+            running = []
+        for row in running:  # ended without new tokens (cut by a stop string before they were yielded)
+            self._guard(row, self._finish)
+        self.metrics.batch_size.set(0)
 
-    def _decode(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            self.metrics.requests.labels("cancelled").inc()
+    def _row(self, job: Job, rows: int) -> Row:
+        name, options = self.batch_drafter(job, rows)
+        drafter = DraftLog(make_drafter(self.model, name, **options))
+        return Row(job, name, drafter, StopText(self.tokenizer, job.stop), stop_strings_check(self.tokenizer, job.stop))
+
+    def _guard(self, row: Row, work: Callable, *args) -> None:
+        """`work(row, *args)`; if it raises, the request fails alone and leaves the batch at its next step."""
+        if row.failed:
             return
         try:
-            self._run(job)
-        # The worker outlives any one request: whatever failed is logged and answered as a server error.
+            work(row, *args)
+        # A bug in one request's text or events must not end the others: it is logged and answered as a server error.
         except Exception as err:  # noqa: BLE001
             log.exception("request failed")
-            self.metrics.requests.labels("error").inc()
-            job.emit(Failed(f"{type(err).__name__}: {err}"))
+            row.failed = True
+            self._fail(row.job, err)
 
-    def _run(self, job: Job) -> None:
-        drafter = DraftLog(self.new_drafter())
-        stats = GenerationStats()
-        text = StopText(self.tokenizer, job.stop)
-        ids: list[int] = []
-        first, recorded = None, 0
-        steps = generate_ids(self.model, torch.tensor(job.prompt_ids), drafter, job.acceptance, job.max_tokens,
-                             self.eos, stop_strings_check(self.tokenizer, job.stop), stats)
-        with closing(steps):
-            for chunk in steps:
-                if first is None:
-                    first = time.perf_counter()
-                    self.metrics.ttft.observe(first - job.arrived)
-                    self.metrics.prompt_tokens.inc(len(job.prompt_ids))
-                ids += chunk
-                self.metrics.emitted_tokens.inc(len(chunk))
-                recorded = self._record_steps(drafter.trees, stats.accepted_lengths, recorded)
-                if piece := text.add(chunk):
-                    job.emit(Piece(piece))
-                if job.cancelled.is_set():
-                    break
-        self._record_steps(drafter.trees, stats.accepted_lengths, recorded)  # steps whose tokens a stop string cut away
+    def _fail(self, job: Job, err: Exception) -> None:
+        self.metrics.requests.labels("error").inc()
+        job.emit(Failed(f"{type(err).__name__}: {err}"))
+
+    def _add(self, row: Row, tokens: list[int]) -> None:
+        """New tokens of `row`: metrics, and the text they complete to its client."""
+        job = row.job
+        if row.first is None:
+            row.first = time.perf_counter()
+            self.metrics.ttft.observe(row.first - job.arrived)
+            self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        row.ids += tokens
+        self.metrics.emitted_tokens.inc(len(tokens))
+        row.recorded = self._record_steps(row.drafter.trees, row.stats.accepted_lengths, row.recorded)
+        if not job.cancelled.is_set() and (piece := row.text.add(tokens)):
+            job.emit(Piece(piece))
+
+    def _finish(self, row: Row) -> None:
+        """`row` has ended: the rest of its text and its final event."""
+        job = row.job
+        self._record_steps(row.drafter.trees, row.stats.accepted_lengths, row.recorded)  # steps a stop string cut
         if job.cancelled.is_set():
             self.metrics.requests.labels("cancelled").inc()
             return
-        if piece := text.finish():
+        if piece := row.text.finish():
             job.emit(Piece(piece))
         end = time.perf_counter()
         self.metrics.latency.observe(end - job.arrived)
-        if len(ids) > 1:
-            self.metrics.tpot.observe((end - first) / (len(ids) - 1))
+        if len(row.ids) > 1:
+            self.metrics.tpot.observe((end - row.first) / (len(row.ids) - 1))
         self.metrics.requests.labels("ok").inc()
-        finish = "stop" if text.stopped or ids[-1] in self.eos else "length"
-        job.emit(Finished(finish, len(job.prompt_ids), len(ids), self._summary(drafter.trees, stats)))
+        finish = "stop" if row.text.stopped or row.ids[-1] in self.eos else "length"
+        job.emit(Finished(finish, len(job.prompt_ids), len(row.ids), self._summary(row)))
 
     def _record_steps(self, trees: list[tuple[int, int]], accepted_lengths: list[int], recorded: int) -> int:
         """Record in the metrics the request's steps after the first `recorded`; returns how many are now."""
@@ -212,8 +297,10 @@ class Engine:
             self.metrics.record_step(drafted, depth, length)
         return len(accepted_lengths)
 
-    def _summary(self, trees: list[tuple[int, int]], stats: GenerationStats) -> dict:
+    def _summary(self, row: Row) -> dict:
         """The request's own speculative statistics, the `speculative` field of its response."""
-        return {"drafter": self.drafter_name, "steps": stats.steps, "draft_tokens": sum(n for n, _ in trees),
+        stats = row.stats
+        return {"drafter": row.drafter_name, "steps": stats.steps,
+                "draft_tokens": sum(n for n, _ in row.drafter.trees),
                 "accepted_tokens": sum(stats.accepted_lengths) - stats.steps,
                 "mean_accepted_length": round(stats.mean_accepted_length, 4)}

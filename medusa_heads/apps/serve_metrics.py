@@ -5,6 +5,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 REQUEST_STATUSES = ("ok", "cancelled", "rejected", "invalid", "error")
 
 
@@ -46,7 +47,10 @@ class ServerMetrics:
         self.tpot = Histogram("medusa_time_per_output_token_seconds", "Per token after the first, of finished "
                               "requests", buckets=TOKEN_BUCKETS, registry=r)
         self.queue_depth = Gauge("medusa_queue_depth", "Requests waiting for the worker", registry=r)
-        self.batch_size = Gauge("medusa_running_batch_size", "Requests being decoded", registry=r)
+        self.batch_size = Gauge("medusa_running_batch_size", "Requests being decoded (rows of the running batch)",
+                                registry=r)
+        self.batch_sizes = Histogram("medusa_batch_size", "Requests per batch, when it starts",
+                                     buckets=BATCH_BUCKETS, registry=r)
 
     def record_step(self, drafted: int, drafted_depth: int, accepted_length: int) -> None:
         """One verification step: `drafted` nodes besides the root, up to depth `drafted_depth`; `accepted_length`

@@ -21,7 +21,7 @@ class Scheduler:
 
     Args:
         max_queue: requests that may wait besides the ones being decoded; `submit` refuses more.
-        max_batch: requests to decode together once the engine can.
+        max_batch: requests to decode together at most.
     """
 
     def __init__(self, engine: Engine, max_queue: int, max_batch: int):
@@ -29,8 +29,7 @@ class Scheduler:
         self.max_queue = max_queue
         self.batch = min(max_batch, engine.batch_capacity)
         if max_batch > self.batch:
-            log.warning("--max-batch %d: decoding %d request(s) at a time; the runtime has no batched decoding yet",
-                        max_batch, self.batch)
+            log.warning("--max-batch %d: decoding %d requests at a time at most", max_batch, self.batch)
         self.waiting: deque[Job] = deque()
         self.changed = threading.Condition()
         self.stopping = threading.Event()
@@ -76,6 +75,4 @@ class Scheduler:
     def _work(self) -> None:
         while not self.stopping.is_set():
             if jobs := self.take():
-                self.metrics.batch_size.set(len(jobs))
                 self.engine.decode(jobs)
-                self.metrics.batch_size.set(0)
