@@ -48,6 +48,20 @@ class DrafterSpec:
     uses_heads: bool = True  # it drafts with the model's heads (the tree's depth is bounded by them)
 
 
+# What runs when no drafter is named, by dtype: the fastest lossless configuration measured on this project's CPU
+# (docs/benchmarks.md). A bf16 forward over 16 nodes costs about 1.2 one-token forwards, an fp32 one about 2.
+DEFAULT_DRAFTERS: dict[torch.dtype, tuple[str, dict]] = {
+    torch.bfloat16: ("medusa+ngram", {"tree": "cpu-16"}),
+    torch.float16: ("medusa+ngram", {"tree": "cpu-16"}),
+    torch.float32: ("medusa", {"tree": "cpu-3"}),
+}
+
+
+def default_drafter(dtype: torch.dtype) -> tuple[str, dict]:
+    """(drafter name, options) that `generate` runs in `dtype` when the user names none."""
+    return DEFAULT_DRAFTERS.get(dtype, DEFAULT_DRAFTERS[torch.float32])
+
+
 def heads_drafter(model: MedusaModel, tree: TreeBuffers) -> MedusaDrafter | EagleDrafter:
     """The drafter for the model's own heads on a static tree, by what the heads can do."""
     return EagleDrafter(model, tree) if model.heads.drafts_over_context else MedusaDrafter(model, tree)

@@ -25,13 +25,22 @@ def cache_home() -> Path:
     return Path(os.environ.get("MEDUSA_HEADS_HOME", Path.home() / ".cache" / "medusa-heads"))
 
 
-def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:
+    """A dtype by name; `auto` is bfloat16 where `device` computes in it natively (a CUDA GPU that supports it, a
+    CPU with AVX512-BF16 or AMX), else float32. bfloat16 output is greedy-exact only up to rounding."""
     if isinstance(name, torch.dtype):
         return name
+    if name == "auto":
+        device = torch.device(device)
+        if device.type == "cuda":
+            native = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+        else:
+            native = device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        return torch.bfloat16 if native else torch.float32
     dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
               "float16": torch.float16, "fp16": torch.float16}
     if name not in dtypes:
-        raise MedusaError(f"Unknown dtype `{name}`; use one of float32, bfloat16, float16.")
+        raise MedusaError(f"Unknown dtype `{name}`; use one of auto, float32, bfloat16, float16.")
     return dtypes[name]
 
 
@@ -102,7 +111,7 @@ def load_backbone(
     path = resolve_model_path(name_or_path)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype), **extra)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype, device), **extra)
     except (OSError, ValueError) as err:  # transformers reports missing folders and hub ids as OSError
         raise MedusaError(f"Cannot load the backbone `{name_or_path}`: {first_line(err)}") from err
     model.to(device).eval().requires_grad_(False)
@@ -124,6 +133,17 @@ def first_line(err: BaseException) -> str:
     if not lines:
         return type(err).__name__
     return lines[-1] if isinstance(err, StrictDataclassError) else lines[0]
+
+
+def compile_backbone(backbone: PreTrainedModel, mode: str | None = None) -> None:
+    r"""
+    Compile the backbone's decoder (its layers and final norm) with `torch.compile` (inductor), in place. Every
+    caller benefits alike: tree decoding and HF `generate` on the same model, which is how the benchmarks compare
+    them. Shapes vary with the tree size and the KV-cache window (rounded up to 64 slots), so sizes are traced as
+    dynamic: a few graphs, not one per step. `mode="reduce-overhead"` adds CUDA graphs on a GPU.
+    """
+    decoder = backbone.get_decoder()
+    decoder.forward = torch.compile(decoder.forward, dynamic=True, mode=mode)
 
 
 def backbone_forward(

@@ -277,7 +277,7 @@ class MedusaModel(nn.Module):
                 config (or the embedded default when there are no heads either).
             dtype, device: where and how the backbone and heads run.
         """
-        dtype = parse_dtype(dtype)
+        dtype = parse_dtype(dtype, device)
         if heads_path is None and not isinstance(base_model, PreTrainedModel):
             heads_path = shipped_heads(base_model or EMBEDDED_MODEL)
         heads = load_heads(heads_path, dtype=dtype) if heads_path is not None else None

@@ -6,8 +6,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from medusa_heads import MedusaModel
-from medusa_heads.backbone import backbone_forward
-from medusa_heads.inference import GenerationStats, generate_ids
+from medusa_heads.backbone import backbone_forward, compile_backbone, load_backbone
+from medusa_heads.inference import GenerationStats, generate_ids, make_drafter
 from medusa_heads.model import untrained_heads
 from medusa_heads.tree import build_tree, load_tree
 
@@ -45,3 +45,17 @@ def test_tree_decoding_is_exact_on(arch):
         ours = [t for chunk in generate_ids(model, prompt, drafter, max_new_tokens=40, stats=stats) for t in chunk]
         assert ours == reference
         assert stats.mean_accepted_length > 2  # long paths were accepted, on random branches
+
+
+@pytest.mark.slow
+def test_a_compiled_backbone_decodes_what_the_eager_one_does(tiny_backbone):
+    """`compile_backbone` (inductor, dynamic sizes): tree steps of varying size and cache windows, same tokens."""
+    eager = MedusaModel.from_pretrained(None, base_model=load_backbone(str(tiny_backbone)))
+    compiled = MedusaModel(load_backbone(str(tiny_backbone)), eager.heads)
+    compile_backbone(compiled.backbone)
+    prompt = torch.tensor([[1, 5, 9, 14, 5, 9]])
+    outputs = []
+    for model in (eager, compiled):
+        drafter = make_drafter(model, "medusa+ngram", tree="cpu-8")  # two tree sizes: with and without the chain
+        outputs.append([t for chunk in generate_ids(model, prompt, drafter, max_new_tokens=80) for t in chunk])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 80

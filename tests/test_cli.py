@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from medusa_heads import MedusaConfig, MedusaHeads
+from medusa_heads.backbone import parse_dtype
+from medusa_heads.inference.registry import default_drafter
 from medusa_heads.inference.generate import encode_prompt
 
 from oracle import hf_greedy  # noqa: E402  (pytest puts tests/ on sys.path)
@@ -33,7 +35,8 @@ def assert_clean_error(result, *needles):
 @pytest.mark.parametrize("drafter", ["medusa", "medusa+ngram"])
 def test_generate_json_on_the_embedded_default(drafter, backbone, tokenizer):
     prompt = "Name three colors."
-    result = run_cli("generate", "--prompt", prompt, "--max-new-tokens", "12", "--json", "--drafter", drafter)
+    result = run_cli("generate", "--prompt", prompt, "--max-new-tokens", "12", "--json", "--drafter", drafter,
+                     "--dtype", "float32")
     assert result.returncode == 0, result.stderr
     out = json.loads(result.stdout)
     assert out["token_ids"] == hf_greedy(backbone, encode_prompt(tokenizer, prompt), 12)  # fp32 greedy: exact
@@ -41,6 +44,35 @@ def test_generate_json_on_the_embedded_default(drafter, backbone, tokenizer):
     lengths = out["accepted_lengths"]
     assert out["new_tokens"] == 12 and sum(lengths[:-1]) < 11 <= sum(lengths)
     assert out["text"] == tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+
+
+def test_the_default_configuration_is_chosen_by_dtype_and_stated(backbone, tokenizer):
+    prompt = "Name three colors."
+    auto = run_cli("generate", "--prompt", prompt, "--max-new-tokens", "8")
+    assert auto.returncode == 0, auto.stderr
+    dtype = parse_dtype("auto")
+    name, options = default_drafter(dtype)
+    configuration = auto.stderr.strip().splitlines()[-1]
+    assert f"drafter {name} (tree {options['tree']})" in configuration and "--dtype auto" in configuration
+    assert str(dtype).removeprefix("torch.") in configuration
+    fp32 = run_cli("generate", "--prompt", prompt, "--max-new-tokens", "12", "--json", "--dtype", "float32")
+    out = json.loads(fp32.stdout)
+    assert (out["drafter"], out["tree"]) == (default_drafter(torch.float32)[0], default_drafter(torch.float32)[1]["tree"])
+    assert out["token_ids"] == hf_greedy(backbone, encode_prompt(tokenizer, prompt), 12)
+
+
+def test_a_prompts_file_is_answered_in_batches_each_as_alone(backbone, tokenizer, tmp_path, chat_prompts):
+    prompts = chat_prompts[:3]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"id": f"p{i}", "prompt": p}) + "\n" for i, p in enumerate(prompts)))
+    result = run_cli("generate", "--prompts-file", str(path), "--batch-size", "2", "--max-new-tokens", "12",
+                     "--dtype", "float32", "--drafter", "medusa+ngram", "--tree", "cpu-8")
+    assert result.returncode == 0, result.stderr
+    rows = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [row["id"] for row in rows] == ["p0", "p1", "p2"]
+    for row, prompt in zip(rows, prompts):
+        assert row["token_ids"] == hf_greedy(backbone, encode_prompt(tokenizer, prompt), 12)
+    assert "3 prompts" in result.stderr and "batches of 2" in result.stderr
 
 
 def test_missing_heads_folder(cli, tmp_path):
@@ -83,6 +115,10 @@ def test_bad_options(cli):
     if not torch.cuda.is_available():
         assert_clean_error(cli("generate", "--prompt", "hi", "--device", "cuda"), "is not available")
     assert_clean_error(cli("generate", "--prompt", "hi", "--max-new-tokens", "0"), "at least 1")
+    assert_clean_error(cli("generate", "--prompts-file", "/no/such/prompts.jsonl"), "does not exist")
+    assert_clean_error(cli("generate", "--prompts-file", "/dev/null", "--batch-size", "0"), "at least 1")
+    assert_clean_error(cli("generate", "--prompts-file", "/dev/null", "--acceptance", "exact", "--temperature", "0.7"),
+                       "--batch-size 1")
     assert_clean_error(cli("generate", "--prompt", "hi", "--acceptance", "typical", "--temperature", "-1"),
                        "temperature")
     assert_clean_error(cli("distill", "--prompts", "/no/such/file.jsonl", "--out", "/tmp/x.jsonl"),

@@ -17,7 +17,8 @@ from .bench import method_syntax
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="float32", help="float32 (exact greedy), bfloat16 or float16")
+    p.add_argument("--dtype", default="float32", help="float32 (exact greedy), bfloat16, float16 or auto (bfloat16 "
+                   "where the device computes in it natively, else float32)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
 
 
@@ -36,8 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--heads", help="heads folder or hub id (default: the heads shipped for the model)")
     g.add_argument("--tree", help=f"{', '.join(drafters_taking('tree'))}: a shipped tree name or a JSON file "
                    f"(default {DEFAULT_TREE})")
-    g.add_argument("--drafter", choices=list(DRAFTERS), default="medusa",
-                   help="; ".join(f"{name}: {spec.help}" for name, spec in DRAFTERS.items()))
+    g.add_argument("--drafter", choices=list(DRAFTERS),
+                   help="default: the fastest lossless configuration for the dtype (bf16: medusa+ngram on cpu-16, "
+                   "fp32: medusa on cpu-3); " + "; ".join(f"{name}: {spec.help}" for name, spec in DRAFTERS.items()))
     g.add_argument("--draft-model", help=f"{', '.join(drafters_taking('draft_model'))}: a small LM with the "
                    "backbone's tokenizer (hub id or folder)")
     g.add_argument("--draft-length", type=int, help=f"{', '.join(drafters_taking('draft_length'))}: tokens per "
@@ -62,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_runtime_args(g)
+    g.set_defaults(dtype="auto")
 
     d = sub.add_parser("distill", help="let the backbone answer prompts itself (resumable)")
     d.add_argument("--prompts", type=Path, required=True, help="jsonl with a `prompt` field per line")
@@ -215,11 +218,17 @@ def _tokenizer(args, model):
 
 def _generate(args) -> None:
     from medusa_heads.inference import GenerationStats, generate, make_acceptance, make_drafter, stream
-    from medusa_heads.inference.registry import check_drafter_options
+    from medusa_heads.backbone import parse_device, parse_dtype
+    from medusa_heads.inference.registry import check_drafter_options, default_drafter
     from medusa_heads.model import MedusaModel
 
     if args.max_new_tokens < 1:
         raise MedusaError(f"`--max-new-tokens` must be at least 1, got {args.max_new_tokens}.")
+    if args.drafter is None:
+        args.drafter, defaults = default_drafter(parse_dtype(args.dtype, parse_device(args.device)))
+        for key, value in defaults.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
     # bad options and broken trees fail before the model loads
     options = check_drafter_options(args.drafter, tree=args.tree, draft_model=args.draft_model,
                                     draft_length=args.draft_length, exit_layer=args.exit_layer, budget=args.budget)
@@ -288,9 +297,13 @@ def _configuration(args, model, drafter, options: dict) -> str:
     shown = ({"tree": DEFAULT_TREE} if "tree" in DRAFTERS[args.drafter].options else {}) | options
     taken = [f"{k} {v}" for k, v in shown.items()]
     heads = model.heads.name_or_path or "untrained"
+    dtype = str(model.backbone.dtype).removeprefix("torch.")
+    if args.dtype == "auto":
+        dtype += " (--dtype auto" + ("" if dtype == "float32" else "; greedy output is the backbone's up to rounding, "
+                                     "--dtype float32 for HF-identical tokens") + ")"
     return (f"drafter {args.drafter}" + (f" ({', '.join(taken)})" if taken else "")
             + f", up to {drafter.tree.size} tree nodes; {model.heads.head_type} heads {heads}; "
-            f"{args.acceptance} acceptance; {str(model.backbone.dtype).removeprefix('torch.')} on {model.device}")
+            f"{args.acceptance} acceptance; {dtype} on {model.device}")
 
 
 def _stats_lines(stats) -> list[str]:
