@@ -16,7 +16,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from medusa_heads.errors import MedusaError
 from medusa_heads.tree import TreeBuffers
 
-BUCKET = 64
+BUCKET = 16
 
 
 def round_up(n: int, multiple: int = BUCKET) -> int:

@@ -200,8 +200,8 @@ def decode_step(model: MedusaModel, cache: TreeCache, rows: list[tuple[Drafter, 
     drafter that learns from its results, passed to its `observe`.
     """
     drafts = [drafter.propose(state) for drafter, _, state in rows]
-    if len(drafts) == 1:
-        tree, tokens = drafts[0].tree, drafts[0].tokens[None]
+    if all(draft.tree.paths == drafts[0].tree.paths for draft in drafts):
+        tree, tokens = drafts[0].tree, torch.stack([draft.tokens for draft in drafts])
     else:
         tree, tokens = _merge(drafts)
         drafts = [Draft(tree, row_tokens) for row_tokens in tokens]

@@ -7,12 +7,15 @@ The CLI's `--drafter` and `--acceptance` choices, the bench's method names (`NAM
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
 from typing import Callable
 
 import torch
 
 from medusa_heads.backbone import load_backbone
-from medusa_heads.errors import MedusaError
+from medusa_heads.errors import MedusaError, read_json
 from medusa_heads.model import MedusaModel
 from medusa_heads.ngram_store import STORE_FILE, NgramStore
 from medusa_heads.tree import TreeBuffers, build_tree, load_tree
@@ -48,18 +51,20 @@ class DrafterSpec:
     uses_heads: bool = True  # it drafts with the model's heads (the tree's depth is bounded by them)
 
 
-# What runs when no drafter is named, by dtype: the fastest lossless configuration measured on this project's CPU
-# (docs/benchmarks.md). A bf16 forward over 16 nodes costs about 1.2 one-token forwards, an fp32 one about 2.
-DEFAULT_DRAFTERS: dict[torch.dtype, tuple[str, dict]] = {
-    torch.bfloat16: ("medusa+ngram", {"tree": "cpu-16"}),
-    torch.float16: ("medusa+ngram", {"tree": "cpu-16"}),
-    torch.float32: ("medusa", {"tree": "cpu-3"}),
-}
+@lru_cache(maxsize=1)
+def _batching() -> dict:
+    return read_json(Path(str(resources.files("medusa_heads.configs") / "batching.json")), "Batching table", "")
 
 
-def default_drafter(dtype: torch.dtype) -> tuple[str, dict]:
-    """(drafter name, options) that `generate` runs in `dtype` when the user names none."""
-    return DEFAULT_DRAFTERS.get(dtype, DEFAULT_DRAFTERS[torch.float32])
+def default_drafter(dtype: torch.dtype, batch_size: int = 1) -> tuple[str, dict]:
+    r"""
+    (drafter name, options) for rows of a batch of `batch_size` in `dtype` when the user names none: the fastest
+    lossless configuration measured on this project's CPU (`configs/batching.json`), from a tree that pays alone
+    down to no drafts in large batches.
+    """
+    rules = _batching()["float32" if dtype == torch.float32 else "bfloat16"]
+    rule = next(r for r in rules if batch_size <= r.get("up_to", batch_size))
+    return rule["drafter"], {k: v for k, v in rule.items() if k not in ("up_to", "drafter")}
 
 
 def heads_drafter(model: MedusaModel, tree: TreeBuffers) -> MedusaDrafter | EagleDrafter:

@@ -139,7 +139,7 @@ def compile_backbone(backbone: PreTrainedModel, mode: str | None = None) -> None
     r"""
     Compile the backbone's decoder (its layers and final norm) with `torch.compile` (inductor), in place. Every
     caller benefits alike: tree decoding and HF `generate` on the same model, which is how the benchmarks compare
-    them. Shapes vary with the tree size and the KV-cache window (rounded up to 64 slots), so sizes are traced as
+    them. Shapes vary with the tree size and the KV-cache window (rounded up to 16 slots), so sizes are traced as
     dynamic: a few graphs, not one per step. `mode="reduce-overhead"` adds CUDA graphs on a GPU.
     """
     decoder = backbone.get_decoder()

@@ -24,7 +24,7 @@ from test_cli import assert_clean_error  # noqa: E402  (pytest puts tests/ on sy
 
 MAX_QUEUE = 5
 MAX_TOKENS = 24
-BATCH = 4  # parallel requests: the server's drafter still drafts for them (SPECULATE_UP_TO)
+BATCH = 4  # parallel requests: decoded together, drafting what configs/batching.json gives (fp32: nothing)
 # The server and the in-process references decode with one thread each: the same numerics on both sides, and no
 # oversubscription of a small machine (two processes with two threads each on two cores are many times slower).
 THREADS = 1
@@ -221,7 +221,7 @@ def test_a_cancelled_stream_leaves_its_batch_and_the_others_go_on(server, client
 
 @pytest.mark.slow
 def test_a_seed_gives_the_same_answer_alone_and_in_a_batch(server, client, reference, chat_prompts):
-    """Alone, then in a batch of more than 4, whose unseeded requests draft nothing (which tokens a seed draws
+    """Alone, then in a batch of five, whose unseeded requests draft less or nothing (which tokens a seed draws
     depends on the drafts, so a seeded request keeps the server's drafter)."""
     seeded = {"temperature": 0.9, "seed": 7}
     prompts = chat_prompts[3 : 3 + BATCH]

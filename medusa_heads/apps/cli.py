@@ -224,6 +224,7 @@ def _generate(args) -> None:
 
     if args.max_new_tokens < 1:
         raise MedusaError(f"`--max-new-tokens` must be at least 1, got {args.max_new_tokens}.")
+    by_batch = args.drafter is None and args.tree is None  # the drafter follows the batch size (--prompts-file)
     if args.drafter is None:
         args.drafter, defaults = default_drafter(parse_dtype(args.dtype, parse_device(args.device)))
         for key, value in defaults.items():
@@ -235,7 +236,7 @@ def _generate(args) -> None:
     acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
                                  device=args.device, top_k=args.top_k, top_p=args.top_p)
     if args.prompts_file is not None:
-        _generate_file(args, options, acceptance)
+        _generate_file(args, options, acceptance, by_batch)
         return
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
     tokenizer = _tokenizer(args, model)
@@ -259,11 +260,13 @@ def _generate(args) -> None:
         print("\n".join(_stats_lines(stats)), file=sys.stderr)
 
 
-def _generate_file(args, options: dict, acceptance) -> None:
-    """`generate --prompts-file`: the prompts in batches, one JSON line per answer."""
+def _generate_file(args, options: dict, acceptance, by_batch: bool) -> None:
+    """`generate --prompts-file`: the prompts in batches, one JSON line per answer. `by_batch`: each batch drafts
+    what `configs/batching.json` gives for its size (the last one may be smaller)."""
     import time
 
     from medusa_heads.inference import generate_batch, make_drafters
+    from medusa_heads.inference.registry import default_drafter
     from medusa_heads.model import MedusaModel
 
     from .bench import read_bench_prompts
@@ -279,6 +282,8 @@ def _generate_file(args, options: dict, acceptance) -> None:
     start, tokens = time.perf_counter(), 0
     for first in range(0, len(rows), args.batch_size):
         batch = rows[first : first + args.batch_size]
+        if by_batch:
+            args.drafter, options = default_drafter(model.backbone.dtype, len(batch))
         drafters = make_drafters(model, args.drafter, len(batch), **options)
         results = generate_batch(model, tokenizer, [row["prompt"] for row in batch], drafters,
                                  [acceptance] * len(batch), args.max_new_tokens, args.stop, args.raw)

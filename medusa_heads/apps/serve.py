@@ -26,7 +26,7 @@ from medusa_heads.errors import MedusaError
 from medusa_heads.model import MedusaModel
 
 from .serve_api import APIError, ChatRequest, CompletionRequest, Format, SamplingRequest, error_body, usage
-from .serve_engine import PLAIN, SPECULATE_UP_TO, Engine, Failed, Finished, Job, Piece
+from .serve_engine import Engine, Failed, Finished, Job, Piece
 from .serve_scheduler import QueueFull, Scheduler
 
 DISCONNECT_POLL_S = 0.5  # how often a waiting non-streaming request checks that its client is still there
@@ -200,7 +200,7 @@ def run_server(sock: socket.socket, model: MedusaModel, tokenizer: PreTrainedTok
     app = create_app(engine, scheduler, model_id)
     host, port = sock.getsockname()[:2]
     print(f"medusa-heads serve: {model_id}, batches of up to {scheduler.batch} requests ({drafter} drafter with "
-          f"{engine.tree_size} tree nodes up to {SPECULATE_UP_TO}, {PLAIN[0]} beyond), greedy at temperature 0 and "
+          f"{engine.tree_size} tree nodes alone, configs/batching.json in batches), greedy at temperature 0 and "
           f"{sampling_rule} above, on http://{host}:{port}", file=sys.stderr, flush=True)
     config = uvicorn.Config(app, log_level="info" if verbose else "warning", access_log=verbose)
     uvicorn.Server(config).run(sockets=[sock])

@@ -12,9 +12,10 @@ from typing import Callable, Sequence
 from transformers import PreTrainedTokenizerBase
 
 from medusa_heads.backbone import load_backbone
-from medusa_heads.inference import DRAFTERS, GenerationStats, Request, decode, make_acceptance, make_drafter
+from medusa_heads.inference import GenerationStats, Request, decode, make_acceptance, make_drafter
 from medusa_heads.inference.draft import Acceptance, DecodeState, Draft, Drafter
 from medusa_heads.inference.generate import eos_token_ids, stop_strings_check
+from medusa_heads.inference.registry import default_drafter
 from medusa_heads.inference.text import TextStream
 from medusa_heads.model import MedusaModel
 
@@ -121,13 +122,6 @@ class StopText:
         return self._release(final=True)
 
 
-# Batches of more rows than this draft nothing: benchmarks/batch_throughput.py measured that a tree forward over
-# more rows costs more than the tokens it accepts save ("speculation scaled down as the batch grows", issue 16).
-SPECULATE_UP_TO = 4
-# Drafting nothing: `plain` where the runtime has it, else a dynamic tree of no nodes (the same loop).
-PLAIN: tuple[str, dict] = ("plain", {}) if "plain" in DRAFTERS else ("dynamic", {"budget": 0})
-
-
 @dataclass
 class Row:
     """A request being decoded in a batch: its drafter (logged), statistics, text and what it has been sent."""
@@ -171,7 +165,8 @@ class Engine:
 
     `decode(jobs)` is what the scheduler calls with the requests it took from the queue, at most
     `batch_capacity` of them: they are decoded in one batch, each leaving it when it ends. In batches of more than
-    `SPECULATE_UP_TO` requests, those without a seed draft nothing.
+    one request, those without a seed draft what `configs/batching.json` gives for the batch size (measured by
+    benchmarks/batch_throughput.py): smaller trees as the batch grows, then nothing.
     """
 
     batch_capacity = 64  # bounds one batch's KV cache; `--max-batch` chooses below it
@@ -195,7 +190,9 @@ class Engine:
 
     def batch_drafter(self, job: Job, rows: int) -> tuple[str, dict]:
         """The drafter name and options for `job` in a batch of `rows` requests."""
-        return (self.drafter_name, self.drafter_options) if rows <= SPECULATE_UP_TO or job.seeded else PLAIN
+        if rows == 1 or job.seeded:
+            return self.drafter_name, self.drafter_options
+        return default_drafter(self.model.backbone.dtype, rows)
 
     def acceptance(self, temperature: float, top_p: float, top_k: int, seed: int | None) -> Acceptance:
         """Greedy at temperature 0, else the server's sampling rule; MedusaError for options the rule refuses."""
