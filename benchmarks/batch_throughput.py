@@ -23,6 +23,7 @@ from medusa_heads.apps.bench import read_bench_prompts
 from medusa_heads.backbone import compile_backbone, load_tokenizer
 from medusa_heads.inference import Request, decode, make_drafters
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
+from medusa_heads.packing import stock_linears
 
 
 def hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) -> int:
@@ -31,8 +32,9 @@ def hf_batch(model, tokenizer, prompts: list[list[int]], max_new_tokens: int) ->
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    out = model.backbone.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                                  pad_token_id=pad)[:, width:]
+    with stock_linears(model.backbone):
+        out = model.backbone.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                                      pad_token_id=pad)[:, width:]
     eos = set(eos_token_ids(model, tokenizer))
     count = 0
     for row in out.tolist():

@@ -22,6 +22,7 @@ from .formats import import_original, is_original_layout
 from .head_types import head_type_class
 from .heads import DraftHeads
 from .ngram_store import NgramStore, find_store
+from .packing import pack_linears
 
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
@@ -266,6 +267,7 @@ class MedusaModel(nn.Module):
         dtype: str | torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         num_heads: int = 4,
+        pack_weights: bool = True,
     ) -> "MedusaModel":
         r"""
         Load backbone + heads.
@@ -276,6 +278,8 @@ class MedusaModel(nn.Module):
             base_model: a loaded model, or a hub id / folder; `None` means the backbone named in the heads'
                 config (or the embedded default when there are no heads either).
             dtype, device: where and how the backbone and heads run.
+            pack_weights: on CPU, lay the linear weights out once for oneDNN (`packing.pack_linears`): faster,
+                bit-identical in bf16, another rounding in fp32, one more copy of the weights in memory.
         """
         dtype = parse_dtype(dtype, device)
         if heads_path is None and not isinstance(base_model, PreTrainedModel):
@@ -294,4 +298,7 @@ class MedusaModel(nn.Module):
             logger.warning("No trained heads for `%s`: using %d untrained heads (exact, but few tokens accepted).",
                            name, num_heads)
             heads = untrained_heads(backbone, name, num_heads=num_heads, gguf_file=gguf)
-        return cls(backbone, heads.to(device=backbone.device, dtype=backbone.dtype), adapter)
+        model = cls(backbone, heads.to(device=backbone.device, dtype=backbone.dtype), adapter)
+        if pack_weights:
+            pack_linears(model)
+        return model

@@ -3,7 +3,8 @@
 Every method decodes every prompt `repeats` times, in rotating order, after a warm-up; the speed-up of a
 method is the median over prompts of its tokens/s divided by HF greedy's on the same prompt. Peak memory is
 what a method needs beyond the backbone and heads, which every method shares: its run's peak (`PeakMemory`)
-plus its draft model's weights.
+plus its draft model's weights. HF methods run the backbone's stock `nn.Linear` layers, as `generate` runs for
+its users; this runtime runs them packed for oneDNN (`medusa_heads/packing.py`), as `from_pretrained` loads them.
 """
 
 import json
@@ -24,6 +25,7 @@ from medusa_heads.inference import GenerationStats, generate_ids, make_acceptanc
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
 from medusa_heads.inference.registry import ACCEPTANCE_RULES, DRAFTERS, INT_OPTIONS, check_drafter_options
 from medusa_heads.model import MedusaModel, load_heads
+from medusa_heads.packing import stock_linears
 
 from .memory import PeakMemory
 
@@ -63,8 +65,9 @@ def hf_method(prompt_lookup: int | None = None, assistant: str | None = None, dr
         if assistant is not None:
             kw["assistant_model"] = drafts.get(assistant, model)
         start = time.perf_counter()
-        out = model.backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                      max_new_tokens=max_new_tokens, **kw)
+        with stock_linears(model.backbone):
+            out = model.backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                          max_new_tokens=max_new_tokens, **kw)
         seconds = time.perf_counter() - start
         extra = weight_bytes(kw["assistant_model"]) if assistant is not None else 0
         return Run(out[0, input_ids.shape[1]:].tolist(), seconds, weight_bytes=extra)
@@ -76,8 +79,10 @@ def hf_sample_method(temperature: float):
     def run(model, input_ids, max_new_tokens):
         torch.manual_seed(0)
         start = time.perf_counter()
-        out = model.backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
-                                      temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens)
+        with stock_linears(model.backbone):
+            out = model.backbone.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                                          temperature=temperature, top_k=0, top_p=1.0,
+                                          max_new_tokens=max_new_tokens)
         return Run(out[0, input_ids.shape[1]:].tolist(), time.perf_counter() - start)
     return run
 
