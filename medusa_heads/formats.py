@@ -4,7 +4,8 @@ Medusa heads in the layouts other projects read.
 - The original Medusa project's, which TensorRT-LLM's Medusa converter also reads: `config.json` with
   `medusa_num_heads` / `medusa_num_layers`, weights `medusa_lm_head.safetensors` (or `.pt`) with keys
   `{h}.{l}.linear.weight`, `{h}.{l}.linear.bias` (residual block l of head h) and `{h}.{L}.weight` (its LM head).
-  The tree goes beside them as `medusa_choices` (the rank paths `configs/trees/` already uses).
+  The tree goes beside them as `medusa_choices` (the rank paths `configs/trees/` already uses). Its v1.0 layout,
+  read only, keeps the same keys under `medusa_head.` in a whole model's weights, beside the backbone's.
 - vLLM's `method: "medusa"`: `config.json` with `model_type: medusa`, `num_heads`, `num_hidden_layers`,
   `medusa_fc_bias`, `truncated_vocab_size` (the draft vocabulary, with a `token_map` tensor of its token ids) and
   `original_lm_head` (one LM head shared by every head); weights `blocks.{h}.layers.{l}.weight/bias`,
@@ -15,21 +16,44 @@ decoder layer with its own cache, which neither layout can hold.
 """
 
 import json
+import logging
+import pickle
+import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from .backbone import first_line, resolve_model_path
 from .config import MedusaConfig
 from .errors import MedusaError
 from .heads import DraftHeads, MedusaHeads
 
+logger = logging.getLogger(__name__)
+
 ORIGINAL_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+# The v1.0 layout: the heads' keys under this prefix, in a whole model saved by transformers.
+V1_PREFIX = "medusa_head."
+WHOLE_MODEL_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+WHOLE_MODEL_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
+_BLOCK_KEY = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")  # head h, residual block l
+_OWN_LM_HEAD_KEY = re.compile(r"(\d+)\.(\d+)\.weight")  # head h, its LM head after its L blocks
+READ_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError, pickle.UnpicklingError)
 
 
 def is_original_layout(folder: str | Path) -> bool:
-    return any((Path(folder) / name).is_file() for name in ORIGINAL_WEIGHTS)
+    """Whether `folder` holds heads saved by the original Medusa project: alone (v0.1) or in a whole model (v1.0)."""
+    folder = Path(folder)
+    if any((folder / name).is_file() for name in ORIGINAL_WEIGHTS):
+        return True
+    try:
+        meta = json.loads((folder / "config.json").read_text())
+        if not isinstance(meta, dict) or meta.get("model_type") == MedusaConfig.model_type:
+            return False
+        return any(name.startswith(V1_PREFIX) for name in _whole_model_files(folder))
+    except READ_ERRORS:  # unreadable: not recognised here, and `load_heads` reports the folder as it is
+        return False
 
 
 def plain_medusa(heads: DraftHeads, layout: str) -> MedusaHeads:
@@ -84,35 +108,144 @@ def export_original(heads: DraftHeads, lm_head_weight: torch.Tensor | None, fold
 
 
 def import_original(folder: str | Path, dtype: torch.dtype | None = None) -> MedusaHeads:
-    """Heads saved by the original Medusa project (or `export_original`) as `MedusaHeads` with their own
-    projections."""
+    r"""
+    Heads saved by the original Medusa project (or `export_original`) as `MedusaHeads`, from either of its layouts:
+
+    - v0.1, the heads alone: `medusa_lm_head.safetensors` or `.pt`, keys `{h}.{l}.linear.weight/bias` and
+      `{h}.{L}.weight`, the backbone named by `base_model_name_or_path` in `config.json`.
+    - v1.0, the heads saved inside a whole model (its axolotl trainer, Medusa-1 or -2): the same keys under
+      `medusa_head.` in the model's `model.safetensors` (or its shards) or `pytorch_model.bin`, `medusa_num_heads`
+      / `medusa_num_layers` in its `config.json`; the backbone is that model. Only the heads' tensors are read.
+
+    Head and layer counts come from the weights: a config that disagrees is warned about, as are heads without LM
+    heads of their own (the original's "version 2"), which then share the backbone's. A mix of the two, or weights
+    whose shapes disagree, is a one-line `MedusaError`.
+
+    Args:
+        dtype: the heads' dtype; `None`: the weights' own.
+    """
     folder = Path(folder)
+    single = next((folder / name for name in ORIGINAL_WEIGHTS if (folder / name).is_file()), None)
+    if single is None and not is_original_layout(folder):
+        raise MedusaError(f"`{folder}` holds no Medusa heads in the original project's layouts "
+                          "(`medusa_lm_head.safetensors` or `.pt`, or `medusa_head.*` weights in a whole model).")
+    meta = _read_config(folder)
+    where = single or folder
+    try:
+        if single is not None:
+            weights = load_file(str(single)) if single.suffix == ".safetensors" else torch.load(
+                single, map_location="cpu", weights_only=True)
+            base = meta.get("base_model_name_or_path")
+        else:
+            weights = _read_whole_model_heads(folder)
+            base = str(folder.resolve())
+    except READ_ERRORS as err:
+        raise MedusaError(f"Cannot read original Medusa heads from `{where}`: {type(err).__name__}: "
+                          f"{first_line(err)}") from None
+    heads = _heads_from_weights(weights, meta, where, base)
+    heads.name_or_path = str(folder)
+    return heads.to(dtype or next(iter(weights.values())).dtype)
+
+
+def _read_config(folder: Path) -> dict:
     try:
         meta = json.loads((folder / "config.json").read_text())
-        heads_n, layers = int(meta["medusa_num_heads"]), int(meta["medusa_num_layers"])
-        path = next(folder / name for name in ORIGINAL_WEIGHTS if (folder / name).is_file())
-        weights = load_file(str(path)) if path.suffix == ".safetensors" else torch.load(path, map_location="cpu",
-                                                                                           weights_only=True)
-        vocab, hidden = weights[f"0.{layers}.weight"].shape
-    except (OSError, ValueError, KeyError, TypeError, SafetensorError, json.JSONDecodeError) as err:
-        raise MedusaError(f"Cannot read original Medusa heads from `{folder}`: {type(err).__name__}: {err}") from None
+    except (OSError, ValueError) as err:
+        raise MedusaError(f"Cannot read the config of the original Medusa heads in `{folder}`: "
+                          f"{type(err).__name__}: {err}") from None
+    if not isinstance(meta, dict):
+        raise MedusaError(f"`{folder / 'config.json'}` is not a JSON object.")
+    return meta
+
+
+def _whole_model_files(folder: Path) -> dict[str, Path]:
+    """Each weight name of a model saved by transformers -> the file holding it (one file, or shards and their
+    index); only file headers are read."""
+    for index in WHOLE_MODEL_INDEXES:
+        if (folder / index).is_file():
+            weight_map = json.loads((folder / index).read_text())["weight_map"]
+            return {name: folder / file for name, file in weight_map.items()}
+    for path in (folder / name for name in WHOLE_MODEL_WEIGHTS):
+        if not path.is_file():
+            continue
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), "pt") as f:
+                return dict.fromkeys(f.keys(), path)
+        return dict.fromkeys(torch.load(path, map_location="cpu", weights_only=True, mmap=True), path)
+    return {}
+
+
+def _read_whole_model_heads(folder: Path) -> dict[str, torch.Tensor]:
+    """The `medusa_head.*` tensors of a whole model, without the prefix; the backbone's are left on disk."""
+    by_file: dict[Path, list[str]] = {}
+    for name, path in _whole_model_files(folder).items():
+        if name.startswith(V1_PREFIX):
+            by_file.setdefault(path, []).append(name)
+    weights = {}
+    for path, names in by_file.items():
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), "pt") as f:
+                weights |= {name.removeprefix(V1_PREFIX): f.get_tensor(name) for name in names}
+        else:  # memory-mapped: only these tensors' bytes are read
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            weights |= {name.removeprefix(V1_PREFIX): state[name].clone() for name in names}
+    return weights
+
+
+def _heads_from_weights(weights: dict[str, torch.Tensor], meta: dict, where: Path, base: str | None) -> MedusaHeads:
+    """`MedusaHeads` from the original's keys (`{h}.{l}.linear.weight/bias`, `{h}.{L}.weight`), counted from them."""
+    blocks = {key: m for key in weights if (m := _BLOCK_KEY.fullmatch(key))}
+    own = {key: m for key in weights if (m := _OWN_LM_HEAD_KEY.fullmatch(key))}
+    if not blocks and not own:
+        raise MedusaError(f"`{where}` holds no Medusa head weights.")
+    heads_n = 1 + max(int(m[1]) for m in [*blocks.values(), *own.values()])
+    layers = max((int(m[2]) for m in own.values()), default=max((int(m[2]) + 1 for m in blocks.values()), default=0))
+    with_lm_head = sorted({int(m[1]) for m in own.values()})
+    if own and len(with_lm_head) < heads_n:
+        without = sorted(set(range(heads_n)) - set(with_lm_head))
+        raise MedusaError(f"In `{where}` heads {with_lm_head} have an LM head of their own and heads {without} do "
+                          "not: the original project saves all of them with one, or none.")
     expected = {f"{h}.{l}.linear.{p}" for h in range(heads_n) for l in range(layers) for p in ("weight", "bias")}
-    expected |= {f"{h}.{layers}.weight" for h in range(heads_n)}
+    expected |= {f"{h}.{layers}.weight" for h in range(heads_n)} if own else set()
     if set(weights) != expected:
-        raise MedusaError(f"The weights in `{path}` do not match {heads_n} heads of {layers} layers: missing "
+        raise MedusaError(f"The weights in `{where}` do not match {heads_n} heads of {layers} layers: missing "
                           f"{sorted(expected - set(weights))[:3]}, unexpected {sorted(set(weights) - expected)[:3]}.")
-    config = MedusaConfig(base_model_name_or_path=meta.get("base_model_name_or_path"), num_heads=heads_n,
-                          num_layers=layers, hidden_size=hidden, vocab_size=vocab, share_lm_head=False)
+    said = meta.get("medusa") if isinstance(meta.get("medusa"), dict) else meta
+    for key, found in (("medusa_num_heads", heads_n), ("medusa_num_layers", layers)):
+        if key in said and said[key] != found:
+            logger.warning("The config of `%s` says %s=%s but its weights hold %d: using %d.", where, key, said[key],
+                           found, found)
+    hidden = next(iter(weights.values())).shape[-1]
+    vocab = weights[f"0.{layers}.weight"].shape[0] if own else _backbone_vocab(meta, base)
+    for key, tensor in weights.items():
+        shape = (hidden,) if key.endswith("bias") else (vocab if key in own else hidden, hidden)
+        if tuple(tensor.shape) != shape:
+            raise MedusaError(f"The Medusa head weights in `{where}` disagree in shape: `{key}` is "
+                              f"{list(tensor.shape)} where the others make it {list(shape)}.")
+    if not own:
+        logger.warning("The Medusa heads in `%s` have no LM heads of their own: they score with the backbone's "
+                       "(share_lm_head=True).", where)
+    config = MedusaConfig(base_model_name_or_path=base, num_heads=heads_n, num_layers=layers, hidden_size=hidden,
+                          vocab_size=vocab, share_lm_head=not own)
+    state = {f"blocks.{m[1]}.{m[2]}.{m[3]}": weights[key] for key, m in blocks.items()}
+    state |= {f"lm_heads.{m[1]}.weight": weights[key] for key, m in own.items()}
     heads = MedusaHeads(config)
-    state = {}
-    for h in range(heads_n):
-        for l in range(layers):
-            state[f"blocks.{h}.{l}.weight"] = weights[f"{h}.{l}.linear.weight"]
-            state[f"blocks.{h}.{l}.bias"] = weights[f"{h}.{l}.linear.bias"]
-        state[f"lm_heads.{h}.weight"] = weights[f"{h}.{layers}.weight"]
     heads.load_state_dict(state, strict=True)
-    heads.name_or_path = str(folder)
-    return heads.to(dtype) if dtype is not None else heads
+    return heads
+
+
+def _backbone_vocab(meta: dict, base: str | None) -> int:
+    """The vocabulary of heads that share the backbone's LM head: from the config beside them (a whole model's is
+    the backbone's own), else from the backbone's config."""
+    if "vocab_size" in meta:
+        return int(meta["vocab_size"])
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(resolve_model_path(base or "")).get_text_config().vocab_size
+    except (OSError, ValueError) as err:
+        raise MedusaError(f"These heads share the LM head of `{base}`, whose vocabulary size cannot be read "
+                          f"({first_line(err)}); add `vocab_size` to their config.json.") from None
 
 
 def export_vllm(heads: DraftHeads, lm_head_weight: torch.Tensor | None, folder: str | Path) -> Path:

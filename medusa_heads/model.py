@@ -41,7 +41,8 @@ def shipped_heads(base_model: str) -> Path | None:
 
 def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> DraftHeads:
     """Load heads from a local folder or hub id; missing or unexpected weights are an error, not a warning. A folder
-    in the original Medusa project's layout (`medusa_lm_head.safetensors`/`.pt`) is imported."""
+    in one of the original Medusa project's layouts (v0.1: `medusa_lm_head.safetensors`/`.pt`; v1.0: `medusa_head.*`
+    weights in a whole model) is imported."""
     local = Path(path)
     if local.is_dir() and is_original_layout(local):
         return import_original(local, parse_dtype(dtype) if dtype is not None else None).eval()

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from medusa_heads import HEAD_TYPES, MedusaConfig, MedusaError, load_heads
+from medusa_heads import HEAD_TYPES, MedusaConfig, MedusaError, MedusaModel, load_heads
 from medusa_heads.formats import export_original, export_vllm
 
 from test_cli import assert_clean_error  # noqa: E402  (pytest puts tests/ on sys.path)
@@ -84,6 +84,203 @@ def test_original_checkpoints_with_two_layers_import(tmp_path):
     save_file(weights, tmp_path / "medusa_lm_head.safetensors")
     with pytest.raises(MedusaError, match="missing \\['1.1.linear.bias'\\]"):
         load_heads(tmp_path)
+
+
+def original_heads(num_layers=1, own_lm_head=True):
+    """The original project's heads, random: per head `[ResBlock(hidden)] * num_layers` (one block repeated, as it
+    builds them), then its own LM head (none in its "version 2", which scores with the backbone's)."""
+    torch.manual_seed(1)
+    heads = nn.ModuleList(nn.Sequential(*([OriginalResBlock()] * num_layers),
+                                        *([nn.Linear(H, V, bias=False)] if own_lm_head else [])) for _ in range(K))
+    for p in heads.parameters():
+        p.data.normal_(std=0.3)
+    return heads
+
+
+def original_logits(heads, x, lm_head_weight=None):
+    """[K, N, V], as the original computes them: each head, then the backbone's LM head if it has none."""
+    return torch.stack([head(x) if lm_head_weight is None else F.linear(head(x), lm_head_weight) for head in heads])
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(2)
+    return LlamaForCausalLM(LlamaConfig(hidden_size=H, intermediate_size=32, num_hidden_layers=1, vocab_size=V,
+                                        num_attention_heads=2, num_key_value_heads=1))
+
+
+def write_original(folder, layout, storage, heads, num_layers, **config):
+    """Write `heads` as the original project does. v0.1: its MedusaConfig's config.json beside `torch.save` (its
+    first trainer) or `save_file` (`train_legacy.py`) of the heads' state dict. v1.0: its Medusa-2 trainer's whole
+    model (axolotl, transformers' `save_pretrained`): the backbone with `medusa_head` beside its own modules and the
+    counts in its config; `pytorch_model.bin` as transformers 4 wrote it. Returns the backbone's LM head weight."""
+    folder.mkdir(parents=True)
+    if layout == "v0.1":
+        meta = {"medusa_num_heads": K, "medusa_num_layers": num_layers, "base_model_name_or_path": "tiny-backbone",
+                "transformers_version": "4.34.0"} | config
+        (folder / "config.json").write_text(json.dumps(meta))
+        if storage == "medusa_lm_head.pt":
+            torch.save(heads.state_dict(), folder / storage)
+        else:
+            save_file(heads.state_dict(), folder / storage)
+        return torch.randn(V, H)
+    model = tiny_llama()
+    model.medusa_head = heads
+    model.config.medusa_num_heads, model.config.medusa_num_layers = K, num_layers
+    if storage == "pytorch_model.bin":
+        model.config.save_pretrained(folder)
+        torch.save(model.state_dict(), folder / storage)
+    else:
+        model.save_pretrained(folder, max_shard_size="20KB" if storage == "sharded" else "50GB")
+    return model.lm_head.weight.detach()
+
+
+# The shared block of two layers cannot be written to safetensors (it refuses tensors that share memory).
+ORIGINAL_LAYOUTS = [("v0.1", "medusa_lm_head.pt", 2), ("v0.1", "medusa_lm_head.safetensors", 1),
+                    ("v1.0", "model.safetensors", 1), ("v1.0", "sharded", 1), ("v1.0", "pytorch_model.bin", 2)]
+
+
+@pytest.mark.parametrize("layout, storage, num_layers", ORIGINAL_LAYOUTS)
+def test_original_checkpoints_compute_what_the_original_heads_compute(tmp_path, caplog, layout, storage,
+                                                                      num_layers):
+    original = original_heads(num_layers)
+    write_original(tmp_path / "ckpt", layout, storage, original, num_layers)
+    if storage == "sharded":
+        assert (tmp_path / "ckpt" / "model.safetensors.index.json").is_file()
+    heads = load_heads(tmp_path / "ckpt")
+    config = heads.config
+    assert (config.num_heads, config.num_layers, config.share_lm_head) == (K, num_layers, False)
+    backbone = "tiny-backbone" if layout == "v0.1" else str((tmp_path / "ckpt").resolve())
+    assert config.base_model_name_or_path == backbone and not caplog.records
+    assert sum(p.numel() for p in heads.parameters()) == sum(p.numel() for p in original.state_dict().values())
+    x = torch.randn(5, H)
+    torch.testing.assert_close(heads(x), original_logits(original, x))
+
+
+@pytest.mark.parametrize("layout", ["v0.1", "v1.0"])
+def test_heads_without_their_own_lm_head_share_the_backbones(tmp_path, caplog, layout):
+    original = original_heads(own_lm_head=False)
+    if layout == "v0.1":  # "version 2" configs name the backbone but not its vocabulary
+        tiny_llama().config.save_pretrained(tmp_path / "backbone")
+        lm_head_weight = write_original(tmp_path / "ckpt", layout, "medusa_lm_head.safetensors", original, 1,
+                                        version="2", base_model_name_or_path=str(tmp_path / "backbone"))
+    else:
+        lm_head_weight = write_original(tmp_path / "ckpt", layout, "model.safetensors", original, 1)
+    heads = load_heads(tmp_path / "ckpt")
+    assert heads.config.share_lm_head and (heads.config.num_heads, heads.config.vocab_size) == (K, V)
+    [warning] = caplog.records
+    assert "no LM heads of their own" in warning.getMessage() and "\n" not in warning.getMessage()
+    x = torch.randn(5, H)
+    torch.testing.assert_close(our_full_logits(heads, lm_head_weight, x), original_logits(original, x, lm_head_weight))
+    if layout == "v1.0":  # read directly: the backbone is the whole model, its LM head the one the heads share
+        model = MedusaModel.from_pretrained(tmp_path / "ckpt")
+        torch.testing.assert_close(model.head_logits(x), original_logits(original, x, lm_head_weight))
+
+
+@pytest.mark.parametrize("layout", ["v0.1", "v1.0"])
+def test_a_head_count_the_weights_contradict_is_taken_from_the_weights(tmp_path, caplog, layout):
+    original = original_heads()
+    write_original(tmp_path / "ckpt", layout, "medusa_lm_head.pt" if layout == "v0.1" else "model.safetensors",
+                   original, 1)
+    path = tmp_path / "ckpt" / "config.json"
+    config = json.loads(path.read_text())
+    if layout == "v0.1":  # as an uploaded config of the original's (its loader hard-codes the count instead)
+        config["medusa_num_heads"] = 2
+    else:  # the counts may also come in a `medusa` sub-dict
+        config["medusa"] = {"medusa_num_heads": 2, "medusa_num_layers": config.pop("medusa_num_layers")}
+        del config["medusa_num_heads"]
+    path.write_text(json.dumps(config))
+    heads = load_heads(tmp_path / "ckpt")
+    assert heads.config.num_heads == K
+    [warning] = caplog.records
+    assert f"says medusa_num_heads=2 but its weights hold {K}: using {K}." in warning.getMessage()
+    assert "\n" not in warning.getMessage()
+    x = torch.randn(5, H)
+    torch.testing.assert_close(heads(x), original_logits(original, x))
+
+
+def test_the_backbones_weights_are_never_read(tmp_path):
+    original = original_heads()
+    heads = {f"medusa_head.{k}": v for k, v in original.state_dict().items()}
+    save_file(heads, tmp_path / "model-00002-of-00002.safetensors", metadata={"format": "pt"})
+    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"not even a safetensors header")
+    weight_map = dict.fromkeys(heads, "model-00002-of-00002.safetensors")
+    weight_map["lm_head.weight"] = weight_map["model.embed_tokens.weight"] = "model-00001-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": V, "hidden_size": H}))
+    x = torch.randn(5, H)
+    torch.testing.assert_close(load_heads(tmp_path)(x), original_logits(original, x))
+
+
+def _drop(weights, key):
+    weights.pop(key)
+
+
+def _widen(weights, key):
+    weights[key] = torch.randn(weights[key].shape[0] - 1, weights[key].shape[1] + 1)
+
+
+@pytest.mark.parametrize("layout, break_weights, needle", [
+    ("v0.1", lambda w: _drop(w, "1.1.weight"), "heads [0, 2] have an LM head of their own and heads [1] do not"),
+    ("v1.0", lambda w: _drop(w, "medusa_head.0.1.weight"), "heads [1, 2] have an LM head of their own and heads [0]"),
+    ("v0.1", lambda w: _widen(w, "2.0.linear.weight"), "disagree in shape: `2.0.linear.weight` is [15, 17] where"),
+    ("v0.1", lambda w: _widen(w, "1.1.weight"), "disagree in shape: `1.1.weight` is [39, 17] where the others make "
+     f"it [{V}, {H}]"),
+    ("v0.1", lambda w: _drop(w, "1.0.linear.bias"), "missing ['1.0.linear.bias']"),
+    ("v0.1", dict.clear, "holds no Medusa head weights"),
+])
+def test_inconsistent_original_checkpoints_are_one_line_errors(cli, tmp_path, layout, break_weights, needle):
+    storage = "medusa_lm_head.safetensors" if layout == "v0.1" else "model.safetensors"
+    write_original(tmp_path / "ckpt", layout, storage, original_heads(), 1)
+    weights = load_file(tmp_path / "ckpt" / storage)
+    break_weights(weights)
+    save_file(weights, tmp_path / "ckpt" / storage)
+    assert_clean_error(cli("convert", str(tmp_path / "ckpt"), str(tmp_path / "out")), needle)
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_refuses_what_it_cannot_read_or_write(cli, tmp_path):
+    (tmp_path / "backbone").mkdir()
+    tiny_llama().save_pretrained(tmp_path / "backbone")
+    assert_clean_error(cli("convert", str(tmp_path / "backbone"), str(tmp_path / "out")),
+                       "holds no Medusa heads in the original project's layouts")
+    write_original(tmp_path / "ckpt", "v0.1", "medusa_lm_head.pt", original_heads(), 1)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    assert_clean_error(cli("convert", str(tmp_path / "ckpt"), str(tmp_path / "out")), "not empty")
+
+
+@pytest.mark.parametrize("share_lm_head, num_layers", [(False, 1), (False, 2), (True, 1)])
+def test_export_then_import_and_convert_give_identical_logits(cli, tmp_path, share_lm_head, num_layers):
+    heads = random_heads(share_lm_head=share_lm_head, num_layers=num_layers)
+    lm_head_weight = torch.randn(V, H) if share_lm_head else None
+    export_original(heads, lm_head_weight, tmp_path / "original")
+    assert cli("convert", str(tmp_path / "original"), str(tmp_path / "ours")).returncode == 0
+    x = torch.randn(5, H)
+    expected = our_full_logits(heads, lm_head_weight, x)
+    for again in (load_heads(tmp_path / "original"), load_heads(tmp_path / "ours")):
+        assert type(again).__name__ == "MedusaHeads" and again.lm_heads is not None  # exported with their own
+        assert again.config.num_layers == num_layers
+        if share_lm_head:  # one matmul for shared heads against one per own head: equal up to rounding
+            torch.testing.assert_close(again(x), expected)
+        else:
+            assert torch.equal(again(x), expected)
+    assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == "medusa_heads"
+
+
+def test_convert_a_whole_model_then_load_it(cli, tmp_path):
+    original = original_heads()
+    lm_head_weight = write_original(tmp_path / "ckpt", "v1.0", "sharded", original, 1)
+    assert cli("convert", str(tmp_path / "ckpt"), str(tmp_path / "ours")).returncode == 0
+    assert sorted(p.name for p in (tmp_path / "ours").iterdir()) == ["config.json", "model.safetensors"]
+    weights = load_file(tmp_path / "ours" / "model.safetensors")
+    assert all(k.startswith(("blocks.", "lm_heads.")) for k in weights)  # not the backbone's
+    model = MedusaModel.from_pretrained(tmp_path / "ours")
+    assert model.config.base_model_name_or_path == str((tmp_path / "ckpt").resolve())
+    torch.testing.assert_close(model.backbone.get_output_embeddings().weight, lm_head_weight)
+    x = torch.randn(5, H)
+    torch.testing.assert_close(model.head_logits(x), original_logits(original, x))
 
 
 class VllmMedusa(nn.Module):

@@ -114,6 +114,10 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("out", type=Path, help="folder to write")
     e.add_argument("--tree", default=DEFAULT_TREE, help="trtllm: the tree written as medusa_choices")
     e.add_argument("--model", help="backbone whose LM head shared heads use (default: the one the heads name)")
+    c = sub.add_parser("convert", help="read heads saved by the original Medusa project (v0.1 or v1.0) into this "
+                       "project's format")
+    c.add_argument("original", type=Path, help="folder in the original layout: heads alone or inside a whole model")
+    c.add_argument("out", type=Path, help="folder to write")
     _add_tree_commands(sub)
     _add_serve_command(sub)
     return parser
@@ -392,6 +396,20 @@ def _export(args) -> None:
     print(f"wrote {args.format} heads to {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
 
 
+def _convert(args) -> None:
+    from medusa_heads.formats import import_original
+    from medusa_heads.model import save_heads
+
+    if args.out.exists() and any(args.out.iterdir()):
+        raise MedusaError(f"`{args.out}` exists and is not empty; convert into a new folder.")
+    heads = import_original(args.original)
+    out = save_heads(args.out, heads)
+    config = heads.config
+    projection = "the backbone's LM head" if config.share_lm_head else "their own LM heads"
+    print(f"wrote {config.num_heads} Medusa heads ({config.num_layers} residual blocks each, {projection}) for "
+          f"`{config.base_model_name_or_path}` to {out}")
+
+
 def _check_tree_args(args) -> None:
     if args.max_nodes < 2:
         raise MedusaError(f"`--max-nodes` must be at least 2 (the root and one draft), got {args.max_nodes}.")
@@ -480,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
         commands = {"generate": _generate, "distill": _distill, "bench": _bench, "profile": _profile, "tree": _tree,
-                    "ngram-store": _ngram_store, "export": _export, "serve": _serve}
+                    "ngram-store": _ngram_store, "export": _export, "convert": _convert,
+                    "serve": _serve}
         commands[args.command](args)
     except (MedusaError, StrictDataclassError) as err:
         print(f"medusa-heads: error: {first_line(err)}", file=sys.stderr)
