@@ -15,8 +15,9 @@ the project's `.venv`) runs before the engines start, never at the same time.
 
 Methods (`--methods`): `plain`; `ngram:K` (vLLM's prompt lookup, K tokens, n-grams of 2-4 tokens like this
 project's); `medusa:K` (the heads of `--heads`, written by `medusa-heads export --format vllm`; by default the
-shipped Medusa heads, exported here); and `--drafter NAME=DIR:METHOD[:K]` for any other folder vLLM reads with
-`method` METHOD (`eagle`, `eagle3`, ...), e.g. an EAGLE export.
+shipped Medusa heads, exported here); `eagle:K` (the EAGLE drafter of `--eagle`, written the same way, vLLM's
+`eagle` method; by default the shipped drafter, exported here); and `--drafter NAME=DIR:METHOD[:K]` for any other
+folder vLLM reads with `method` METHOD (`eagle3`, ...).
 """
 
 import argparse
@@ -44,8 +45,8 @@ def read_prompts(path: Path, limit: int | None) -> list[dict]:
             for n, r in enumerate(rows)][:limit]
 
 
-def speculative_configs(methods: list[str], heads: str | None, drafters: list[str]) -> dict[str, dict | None]:
-    """Method name -> vLLM `speculative_config` (None: no speculation)."""
+def speculative_configs(methods: list[str], heads: str, eagle: str, drafters: list[str]) -> dict[str, dict | None]:
+    """Method name -> vLLM `speculative_config` (None: no speculation); `heads`, `eagle`: the exported folders."""
     configs = {}
     for name in methods:
         kind, _, k = name.partition(":")
@@ -54,10 +55,11 @@ def speculative_configs(methods: list[str], heads: str | None, drafters: list[st
         elif kind == "ngram" and k.isdigit():
             configs[name] = {"method": "ngram", "num_speculative_tokens": int(k),
                              "prompt_lookup_min": NGRAM_WINDOW[0], "prompt_lookup_max": NGRAM_WINDOW[1]}
-        elif kind == "medusa" and k.isdigit():
-            configs[name] = {"method": "medusa", "model": heads, "num_speculative_tokens": int(k)}
+        elif kind in ("medusa", "eagle") and k.isdigit():
+            configs[name] = {"method": kind, "model": heads if kind == "medusa" else eagle,
+                             "num_speculative_tokens": int(k)}
         else:
-            raise SystemExit(f"Unknown method `{name}`: use plain, ngram:K or medusa:K (K drafted tokens).")
+            raise SystemExit(f"Unknown method `{name}`: use plain, ngram:K, medusa:K or eagle:K (K drafted tokens).")
     for text in drafters:
         name, _, spec = text.partition("=")
         folder, _, rest = spec.partition(":")
@@ -68,9 +70,9 @@ def speculative_configs(methods: list[str], heads: str | None, drafters: list[st
     return configs
 
 
-def export_medusa(cli: Path, folder: Path) -> None:
-    """The shipped Medusa heads in vLLM's layout, written by this project's CLI."""
-    subprocess.run([str(cli), "export", "--format", "vllm", str(SHIPPED_MEDUSA), str(folder)], check=True)
+def export_shipped(cli: Path, source: Path, folder: Path) -> None:
+    """Shipped heads or drafter in vLLM's layout, written by this project's CLI."""
+    subprocess.run([str(cli), "export", "--format", "vllm", str(source), str(folder)], check=True)
 
 
 def run_ours(cli: Path, methods: list[str], args, out: Path) -> dict:
@@ -228,8 +230,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--methods", default="plain,ngram:5,medusa:1,medusa:2",
-                        help="comma-separated vLLM methods: plain, ngram:K, medusa:K")
+                        help="comma-separated vLLM methods: plain, ngram:K, medusa:K, eagle:K")
     parser.add_argument("--heads", help="Medusa heads in vLLM's layout (default: the shipped ones, exported here)")
+    parser.add_argument("--eagle", help="an EAGLE drafter in vLLM's layout, for eagle:K (default: the shipped one, "
+                        "exported here)")
     parser.add_argument("--drafter", action="append", default=[], metavar="NAME=DIR:METHOD[:K]",
                         help="another drafter vLLM reads as `method` METHOD (repeatable)")
     parser.add_argument("--ours", default="medusa+ngram:cpu-16,medusa:cpu-16",
@@ -254,12 +258,14 @@ def main() -> None:
     prompts = read_prompts(args.prompts, args.limit)
     methods = [m for m in args.methods.split(",") if m]
     with tempfile.TemporaryDirectory() as tmp:
-        heads = args.heads or str(Path(tmp) / "medusa-vllm")
-        configs = speculative_configs(methods, heads, args.drafter)  # a bad method fails now, not after the bench
+        heads, eagle = args.heads or str(Path(tmp) / "medusa-vllm"), args.eagle or str(Path(tmp) / "eagle-vllm")
+        # a bad method fails now, not after the bench
+        configs = speculative_configs(methods, heads, eagle, args.drafter)
         ours_methods = [m for m in args.ours.split(",") if m]
         bench = run_ours(args.project_cli, ours_methods, args, Path(tmp) / "ours") if ours_methods else None
-        if args.heads is None and any(c and c["method"] == "medusa" for c in configs.values()):
-            export_medusa(args.project_cli, Path(heads))
+        for given, source, folder in ((args.heads, SHIPPED_MEDUSA, heads), (args.eagle, SHIPPED_EAGLE, eagle)):
+            if given is None and any(c and c.get("model") == folder for c in configs.values()):
+                export_shipped(args.project_cli, source, Path(folder))
         prompt_ids = encode(args.model, prompts)
         rows = run_vllm(args, configs, prompts, prompt_ids)
     import torch

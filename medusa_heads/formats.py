@@ -11,8 +11,12 @@ Medusa heads in the layouts other projects read.
   `original_lm_head` (one LM head shared by every head); weights `blocks.{h}.layers.{l}.weight/bias`,
   `lm_heads.{h}.weight`. vLLM drafts a top-1 chain from them (no tree).
 
-Only plain Medusa heads have these layouts: Hydra heads read the draft path's tokens and the EAGLE drafter is a
-decoder layer with its own cache, which neither layout can hold.
+- vLLM's `method: "eagle"` for the EAGLE drafter (`export_vllm_eagle`): a one-layer `MistralForCausalLM` config and
+  weights `model.fc.weight`, `model.layers.0.*`, `model.norm.weight`; embedding and LM head are the target's.
+
+Hydra heads read the draft path's tokens, which no engine feeds a head: they have no engine layout. The `speculators`
+format vLLM also loads has EAGLE-3, PEagle, DFlash and DSpark types only (vLLM 0.32), none of them this project's
+drafters.
 """
 
 import json
@@ -27,6 +31,7 @@ from safetensors.torch import load_file, save_file
 
 from .backbone import first_line, resolve_model_path
 from .config import MedusaConfig
+from .eagle import EagleHead
 from .errors import MedusaError
 from .heads import DraftHeads, MedusaHeads
 
@@ -40,6 +45,8 @@ WHOLE_MODEL_WEIGHTS = ("model.safetensors", "pytorch_model.bin")
 _BLOCK_KEY = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")  # head h, residual block l
 _OWN_LM_HEAD_KEY = re.compile(r"(\d+)\.(\d+)\.weight")  # head h, its LM head after its L blocks
 READ_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError, pickle.UnpicklingError)
+# `export --format` layouts each head type has.
+ENGINE_FORMATS = {"medusa": ("vllm", "medusa", "trtllm"), "eagle": ("vllm",)}
 
 
 def is_original_layout(folder: str | Path) -> bool:
@@ -56,11 +63,30 @@ def is_original_layout(folder: str | Path) -> bool:
         return False
 
 
+def _instead(heads: DraftHeads) -> str:
+    """What `heads` can be exported as, for an error message."""
+    formats = ENGINE_FORMATS.get(heads.head_type)
+    if formats:
+        return "export them with --format " + " or ".join(formats)
+    return ("no serving engine reads them (a head that reads the draft path's tokens); train Medusa heads or an "
+            "EAGLE drafter to serve in an engine (docs/heads.md)")
+
+
+def check_format(heads: DraftHeads, layout: str) -> None:
+    """A one-line error unless `layout` (an `export --format`) can hold `heads`, naming what can instead."""
+    if layout == "speculators":
+        raise MedusaError("vLLM 0.32 loads `speculators` checkpoints of types eagle3, peagle, dflash and dspark only "
+                          "(EAGLE-3 reads three of the target's layers, this project's drafters one, and it has no "
+                          f"EAGLE-1 or Medusa type); these `{heads.head_type}` heads: {_instead(heads)}.")
+    if layout not in ENGINE_FORMATS.get(heads.head_type, ()):
+        raise MedusaError(f"--format {layout} cannot hold `{heads.head_type}` heads: {_instead(heads)}.")
+
+
 def plain_medusa(heads: DraftHeads, layout: str) -> MedusaHeads:
-    """`heads` if they are plain Medusa heads, the only type an engine layout holds; else a one-line error."""
+    """`heads` if they are plain Medusa heads, the only type a Medusa layout holds; else a one-line error."""
     if type(heads) is not MedusaHeads:
-        raise MedusaError(f"{layout} holds plain Medusa heads only; these are `{heads.head_type}` heads, which no "
-                          "serving engine reads (see docs/heads.md).")
+        raise MedusaError(f"{layout} holds plain Medusa heads only; these are `{heads.head_type}` heads: "
+                          f"{_instead(heads)}.")
     return heads
 
 
@@ -249,7 +275,10 @@ def _backbone_vocab(meta: dict, base: str | None) -> int:
 
 
 def export_vllm(heads: DraftHeads, lm_head_weight: torch.Tensor | None, folder: str | Path) -> Path:
-    """Write `heads` in vLLM's Medusa layout (`--speculative-config '{"method": "medusa", "model": FOLDER}'`)."""
+    """Write `heads` in vLLM's Medusa layout (`--speculative-config '{"method": "medusa", "model": FOLDER}'`), or an
+    EAGLE drafter in its eagle layout (`export_vllm_eagle`)."""
+    if isinstance(heads, EagleHead):
+        return export_vllm_eagle(heads, folder)
     heads = plain_medusa(heads, "vLLM's Medusa layout")
     config = heads.config
     shared = heads.lm_heads is None
@@ -269,5 +298,64 @@ def export_vllm(heads: DraftHeads, lm_head_weight: torch.Tensor | None, folder: 
             "vocab_size": config.vocab_size, "num_heads": config.num_heads, "num_hidden_layers": config.num_layers,
             "truncated_vocab_size": config.draft_vocab_size or config.vocab_size, "medusa_fc_bias": True,
             "original_lm_head": shared, "torch_dtype": str(projections[0].dtype).removeprefix("torch.")}
+    (folder / "config.json").write_text(json.dumps(meta, indent=1))
+    return folder
+
+
+# vLLM builds the drafter's decoder layer as its Llama layer (Mistral's is the same one): these types are that layer.
+VLLM_EAGLE_DECODERS = ("llama", "mistral")
+
+
+def _vllm_eagle_decoder(heads: EagleHead):
+    """The drafter's decoder config, whole (defaults filled in), if vLLM's Llama decoder layer is that layer."""
+    from transformers import AutoConfig
+
+    fields = dict(heads.config.decoder_config)
+    decoder = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    if decoder.model_type not in VLLM_EAGLE_DECODERS:
+        raise MedusaError(f"vLLM's eagle method builds a Llama decoder layer; this drafter's layer is "
+                          f"`{decoder.model_type}` ({'/'.join(VLLM_EAGLE_DECODERS)} only).")
+    if getattr(decoder, "attention_bias", False) or getattr(decoder, "mlp_bias", False):
+        raise MedusaError("vLLM's eagle layer has no biases, and this drafter's decoder layer has some.")
+    window = getattr(decoder, "sliding_window", None)
+    if decoder.hidden_act != "silu" or window is not None:
+        raise MedusaError(f"vLLM's eagle layer is a SiLU MLP over full attention; this drafter's has "
+                          f"`{decoder.hidden_act}` and sliding window {window}.")
+    return decoder
+
+
+def export_vllm_eagle(heads: EagleHead, folder: str | Path) -> Path:
+    r"""
+    Write the EAGLE drafter as vLLM's `method: "eagle"` reads it
+    (`--speculative-config '{"method": "eagle", "model": FOLDER, "num_speculative_tokens": K}'`).
+
+    The config says `MistralForCausalLM`: vLLM then builds `EagleMistralForCausalLM`, which computes
+    `norm(layer(fc([embedding; hidden])))` with the layer's input layernorm, which is this drafter's function. Its
+    Llama form (`LlamaForCausalLM` -> `EagleLlamaForCausalLM`) is the original EAGLE-1 network: it replaces the
+    layer's input layernorm with the identity and has no final norm, so it would load these weights and draft with
+    another function. `fc` reads `[embedding; hidden]` in vLLM and `[feature; embedding]` here: its two column
+    halves are swapped. vLLM shares the target's embedding and LM head (neither is written) and scores the whole
+    vocabulary: a drafter trained on a draft vocabulary is approximate there (one warning).
+    """
+    decoder = _vllm_eagle_decoder(heads)
+    config, h = heads.config, heads.config.hidden_size
+    if heads.draft_vocab is not None:
+        logger.warning("vLLM's eagle method drafts over the whole vocabulary (%d tokens), this drafter over its "
+                       "%d-token draft vocabulary: vLLM may draft tokens it never learnt to rank (output stays "
+                       "exact, acceptance may differ slightly) and pays for the full projection.",
+                       config.vocab_size, config.draft_vocab_size)
+    fc = heads.fc.weight
+    weights = {"model.fc.weight": torch.cat([fc[:, h:], fc[:, :h]], dim=1), "model.norm.weight":
+               heads.decoder.norm.weight}
+    weights |= {f"model.layers.0.{name}": p for name, p in heads.decoder.layers[0].state_dict().items()}
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(_own_copies(weights), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    meta = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None,
+            "num_hidden_layers": 1, "vocab_size": config.vocab_size, "tie_word_embeddings": False,
+            "dtype": str(fc.dtype).removeprefix("torch.")}
+    meta |= {key: getattr(decoder, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                      "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                                                      "rope_parameters", "max_position_embeddings")}
     (folder / "config.json").write_text(json.dumps(meta, indent=1))
     return folder

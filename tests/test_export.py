@@ -1,7 +1,9 @@
-"""Heads written in the original Medusa layout (TensorRT-LLM's converter input) and vLLM's, checked against those
-projects' own definitions of the heads, written out here from their sources, and read back."""
+"""Heads written in the original Medusa layout (TensorRT-LLM's converter input) and vLLM's (Medusa heads and the
+EAGLE drafter), checked against those projects' own definitions of the heads, written out here from their sources,
+and read back."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -10,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from medusa_heads import HEAD_TYPES, MedusaConfig, MedusaError, MedusaModel, load_heads
-from medusa_heads.formats import export_original, export_vllm
+from medusa_heads.formats import check_format, export_original, export_vllm
 
 from test_cli import assert_clean_error  # noqa: E402  (pytest puts tests/ on sys.path)
 
@@ -22,7 +24,11 @@ def random_heads(head_type="medusa", share_lm_head=False, num_layers=1, draft_vo
     config = MedusaConfig(base_model_name_or_path="tiny", num_heads=K, num_layers=num_layers, hidden_size=H,
                           vocab_size=V, share_lm_head=share_lm_head, head_type=head_type,
                           draft_vocab_size=draft_vocab_size)
-    heads = HEAD_TYPES[head_type](config)
+    return randomized(HEAD_TYPES[head_type](config), draft_vocab_size)
+
+
+def randomized(heads, draft_vocab_size=None):
+    """`heads` with random weights (and a random draft vocabulary of `draft_vocab_size` tokens)."""
     for p in heads.parameters():
         p.data.normal_(std=0.3)
     if draft_vocab_size:
@@ -331,23 +337,131 @@ def test_the_vllm_layout_is_what_vllm_computes(tmp_path, share_lm_head, draft_vo
     torch.testing.assert_close(vllm(x, token_map), our_full_logits(heads, lm_head_weight, x))
 
 
-@pytest.mark.parametrize("head_type", ["hydra", "eagle"])
-def test_types_without_an_engine_layout_are_refused(tmp_path, head_type):
-    if head_type == "eagle":
-        from transformers import LlamaConfig
+def random_eagle(draft_vocab_size=None, **decoder):
+    """An EAGLE drafter on a tiny Llama layer (grouped-query attention, a rope base of its own), random weights."""
+    from transformers import LlamaConfig
 
-        from medusa_heads.eagle import decoder_config_for
+    from medusa_heads.eagle import decoder_config_for
 
-        config = MedusaConfig(head_type="eagle", hidden_size=32, vocab_size=V, decoder_config=decoder_config_for(
-            LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)))
-        heads = HEAD_TYPES["eagle"](config)
-    else:
-        heads = random_heads(head_type)
+    torch.manual_seed(3)
+    backbone = LlamaConfig(hidden_size=H, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+                           rope_parameters={"rope_type": "default", "rope_theta": 500.0}, rms_norm_eps=1e-5)
+    config = MedusaConfig(head_type="eagle", hidden_size=H, vocab_size=V, num_heads=K,
+                          draft_vocab_size=draft_vocab_size, decoder_config=decoder_config_for(backbone) | decoder)
+    return randomized(HEAD_TYPES["eagle"](config), draft_vocab_size)
+
+
+def _rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _rope(x, positions, theta):
+    """Rotary embedding of [T, heads, d] as vLLM's Llama attention applies it (neox style: halves, not pairs)."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None].float() * theta ** -(torch.arange(half) / half)
+    cos, sin = angles.cos()[:, None], angles.sin()[:, None]
+    return torch.cat([x[..., :half] * cos - x[..., half:] * sin, x[..., half:] * cos + x[..., :half] * sin], -1)
+
+
+def vllm_eagle_features(folder, embedding, input_ids, hidden, positions):
+    """vLLM's EagleMistralModel over one sequence, from its source: fc over [embedding; target hidden], one Llama
+    decoder layer (input layernorm, attention with rope, post-attention layernorm, SiLU MLP, residuals), the final
+    norm over hidden + residual. [T, H]; vLLM's logits are the target's LM head over these."""
+    c = json.loads((folder / "config.json").read_text())
+    w = {k.removeprefix("model.").removeprefix("layers.0."): v for k, v in load_file(folder / "model.safetensors").items()}
+    eps, heads, kv_heads, d = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    x = F.linear(torch.cat([embedding[input_ids], hidden], -1), w["fc.weight"])
+    a = _rms(x, w["input_layernorm.weight"], eps)
+    q, k, v = (F.linear(a, w[f"self_attn.{n}_proj.weight"]).view(len(a), -1, d) for n in "qkv")
+    theta = c["rope_parameters"]["rope_theta"]
+    q, k = _rope(q, positions, theta), _rope(k, positions, theta)
+    k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    scores = torch.einsum("thd,shd->hts", q, k) / d**0.5
+    scores = scores.masked_fill(~torch.ones(len(a), len(a), dtype=torch.bool).tril(), -torch.inf)
+    attention = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(len(a), heads * d)
+    x = x + F.linear(attention, w["self_attn.o_proj.weight"])
+    m = _rms(x, w["post_attention_layernorm.weight"], eps)
+    x = x + F.linear(F.silu(F.linear(m, w["mlp.gate_proj.weight"])) * F.linear(m, w["mlp.up_proj.weight"]),
+                     w["mlp.down_proj.weight"])
+    return _rms(x, w["norm.weight"], eps)
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 12])
+def test_the_vllm_eagle_layout_is_what_vllm_computes(tmp_path, caplog, draft_vocab_size):
+    from transformers import MistralConfig
+
+    heads = random_eagle(draft_vocab_size)
+    export_vllm(heads, None, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    # vLLM prefixes `Eagle` to the architecture: EagleMistralForCausalLM, its one eagle model with both norms
+    assert (config["architectures"], config["model_type"], config["vocab_size"]) == (["MistralForCausalLM"],
+                                                                                     "mistral", V)
+    mistral = MistralConfig(**config)
+    assert (mistral.sliding_window, mistral.head_dim, mistral.num_hidden_layers) == (None, H // 4, 1)
+    assert mistral.rope_parameters["rope_theta"] == 500.0
+    assert sorted(load_file(tmp_path / "model.safetensors")) == sorted(
+        ["model.fc.weight", "model.norm.weight"] + [f"model.layers.0.{k}" for k in heads.decoder.layers[0].state_dict()])
+    assert bool(caplog.records) == bool(draft_vocab_size)  # approximate in vLLM: one warning
+
+    embedding, lm_head_weight = torch.randn(V, H), torch.randn(V, H)  # the target's, shared by the drafter
+    hidden, input_ids, positions = torch.randn(6, H), torch.randint(V, (6,)), torch.arange(5, 11)
+    with torch.no_grad():
+        ours = heads(hidden[None], embedding[input_ids][None], positions[None])[0]
+        theirs = vllm_eagle_features(tmp_path, embedding, input_ids, hidden, positions)
+    torch.testing.assert_close(F.linear(theirs, lm_head_weight), F.linear(ours, lm_head_weight))
+    if draft_vocab_size:  # our draft logits are vLLM's on the draft vocabulary; vLLM also scores the others
+        rows = lm_head_weight[heads.draft_vocab]
+        torch.testing.assert_close(F.linear(theirs, rows), F.linear(ours, rows))
+
+
+@pytest.mark.parametrize("decoder, needle", [
+    ({"attention_bias": True}, "has no biases"),
+    ({"model_type": "qwen3"}, "this drafter's layer is `qwen3` (llama/mistral only)"),
+    ({"hidden_act": "gelu"}, "has `gelu` and sliding window None"),
+])
+def test_eagle_drafters_vllm_cannot_build_are_refused(tmp_path, decoder, needle):
+    with pytest.raises(MedusaError, match=re.escape(needle)):
+        export_vllm(random_eagle(**decoder), None, tmp_path)
+
+
+@pytest.mark.parametrize("head_type, layout, needle", [
+    ("hydra", "vllm", "--format vllm cannot hold `hydra` heads: no serving engine reads them"),
+    ("hydra", "trtllm", "--format trtllm cannot hold `hydra` heads: no serving engine reads them"),
+    ("eagle", "medusa", "--format medusa cannot hold `eagle` heads: export them with --format vllm."),
+    ("eagle", "speculators", "eagle3, peagle, dflash and dspark only"),
+    ("medusa", "speculators", "`medusa` heads: export them with --format vllm or medusa or trtllm."),
+])
+def test_formats_that_cannot_hold_a_head_type_are_refused(head_type, layout, needle):
+    heads = random_eagle() if head_type == "eagle" else random_heads(head_type)
+    with pytest.raises(MedusaError, match=re.escape(needle)):
+        check_format(heads, layout)
+
+
+def test_layouts_refuse_types_they_cannot_hold(tmp_path):
+    with pytest.raises(MedusaError, match="plain Medusa heads only; these are `eagle` heads: export them with "
+                       "--format vllm"):
+        export_original(random_eagle(), None, tmp_path)
     for export in (export_vllm, export_original):
-        with pytest.raises(MedusaError, match=f"plain Medusa heads only; these are `{head_type}` heads"):
-            export(heads, torch.zeros(V, 32), tmp_path)
+        with pytest.raises(MedusaError, match="these are `hydra` heads: no serving engine reads them"):
+            export(random_heads("hydra"), None, tmp_path)
     with pytest.raises(MedusaError, match="no draft vocabulary"):
         export_original(random_heads(share_lm_head=True, draft_vocab_size=8), torch.zeros(V, H), tmp_path)
+
+
+def test_export_the_shipped_eagle_drafter(cli, tmp_path, caplog):
+    from conftest import MEDUSA_HEADS
+
+    EAGLE_HEADS = MEDUSA_HEADS.parent / "smollm2-135m-embedded-eagle"
+    done = cli("export", "--format", "vllm", str(EAGLE_HEADS), str(tmp_path / "eagle"))
+    assert done.returncode == 0
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "medusa_heads.formats"]
+    assert "8192-token draft vocabulary" in warning and "\n" not in warning
+    config = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert (config["architectures"], config["vocab_size"], config["hidden_size"]) == (["MistralForCausalLM"],
+                                                                                      49152, 576)
+    for layout, needle in (("trtllm", "cannot hold `eagle` heads: export them with --format vllm"),
+                           ("speculators", "no EAGLE-1 or Medusa type")):
+        assert_clean_error(cli("export", "--format", layout, str(EAGLE_HEADS), str(tmp_path / layout)), needle)
 
 
 @pytest.mark.slow  # loads the real backbone for its LM head

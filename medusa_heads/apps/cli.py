@@ -105,12 +105,13 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--no-fp32-reference", action="store_true",
                    help="in bf16/fp16, skip comparing outputs with fp32 greedy")
     _add_runtime_args(b)
-    e = sub.add_parser("export", help="write Medusa heads in the layout a serving engine reads")
-    e.add_argument("--format", required=True, choices=["vllm", "medusa", "trtllm"],
-                   help="vllm: vLLM's Medusa layout (draft vocabulary as token_map); medusa: the original Medusa "
-                   "project's layout; trtllm: the original layout plus the tree as medusa_choices, what TensorRT-LLM's "
-                   "Medusa converter reads")
-    e.add_argument("heads", help="heads folder (plain Medusa heads)")
+    e = sub.add_parser("export", help="write Medusa heads or the EAGLE drafter in the layout a serving engine reads")
+    e.add_argument("--format", required=True, choices=["vllm", "medusa", "trtllm", "speculators"],
+                   help="vllm: vLLM's Medusa layout (draft vocabulary as token_map), or for an EAGLE drafter its "
+                   "eagle method's; medusa: the original Medusa project's layout; trtllm: the original layout plus "
+                   "the tree as medusa_choices, what TensorRT-LLM's Medusa converter reads; speculators: refused, "
+                   "vLLM 0.32 has no type for these drafters in it")
+    e.add_argument("heads", help="heads folder (plain Medusa heads, or an EAGLE drafter for vllm)")
     e.add_argument("out", type=Path, help="folder to write")
     e.add_argument("--tree", default=DEFAULT_TREE, help="trtllm: the tree written as medusa_choices")
     e.add_argument("--model", help="backbone whose LM head shared heads use (default: the one the heads name)")
@@ -377,16 +378,18 @@ def _ngram_store(args) -> None:
 
 def _export(args) -> None:
     from medusa_heads.backbone import load_backbone
-    from medusa_heads.formats import export_original, export_vllm, plain_medusa
+    from medusa_heads.formats import check_format, export_original, export_vllm
+    from medusa_heads.heads import MedusaHeads
     from medusa_heads.model import load_heads
     from medusa_heads.tree import load_tree, validate_tree
 
     if args.out.exists() and any(args.out.iterdir()):
         raise MedusaError(f"`{args.out}` exists and is not empty; export into a new folder.")
-    heads = plain_medusa(load_heads(args.heads), f"The {args.format} layout")
+    heads = load_heads(args.heads)
+    check_format(heads, args.format)
     tree = validate_tree(load_tree(args.tree), num_heads=heads.config.num_heads) if args.format == "trtllm" else None
     lm_head = None
-    if heads.config.share_lm_head:
+    if isinstance(heads, MedusaHeads) and heads.config.share_lm_head:  # the EAGLE layout leaves the LM head out
         backbone = load_backbone(_backbone_name(args, heads), gguf_file=_gguf_file(args, heads))
         lm_head = backbone.get_output_embeddings().weight.to(heads.dtype)
     if args.format == "vllm":
