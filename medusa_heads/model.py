@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from torch import nn
 from transformers import PreTrainedModel
 
+from .attention import use_tree_gqa_attention
 from .backbone import EMBEDDED_MODEL, first_line, load_backbone, parse_dtype
 from .config import MedusaConfig
 from .errors import MedusaError
@@ -281,6 +282,9 @@ class MedusaModel(nn.Module):
             dtype, device: where and how the backbone and heads run.
             pack_weights: on CPU, lay the linear weights out once for oneDNN (`packing.pack_linears`): faster,
                 bit-identical in bf16, another rounding in fp32, one more copy of the weights in memory.
+
+        A backbone running transformers' `sdpa` attention switches to `sdpa_tree_gqa` (`attention.py`: tree steps
+        read grouped key/value heads in place; bit-identical). Both change a `base_model` passed in, in place.
         """
         dtype = parse_dtype(dtype, device)
         if heads_path is None and not isinstance(base_model, PreTrainedModel):
@@ -300,6 +304,7 @@ class MedusaModel(nn.Module):
                            name, num_heads)
             heads = untrained_heads(backbone, name, num_heads=num_heads, gguf_file=gguf)
         model = cls(backbone, heads.to(device=backbone.device, dtype=backbone.dtype), adapter)
+        use_tree_gqa_attention(model.backbone)
         if pack_weights:
             pack_linears(model)
         return model

@@ -1,5 +1,5 @@
 """Linear layers packed for oneDNN: the same module and parameters, the same numbers (bit-identical in bf16), and
-tree decoding on a packed fp32 model still gives HF `generate`'s greedy output on the stock model."""
+tree decoding on a packed fp32 model (with `sdpa_tree_gqa` attention) still gives HF `generate`'s greedy output on the stock model."""
 
 import pytest
 import torch
@@ -52,5 +52,6 @@ def test_layers_that_train_stay_unpacked():
 def test_a_packed_fp32_model_decodes_exactly_as_hf_on_the_stock_model(references, backbone):
     model = MedusaModel.from_pretrained(None, EMBEDDED_MODEL, dtype=torch.float32)  # packed by default
     assert any(type(m) is PackedLinear for m in model.backbone.modules())
+    assert model.backbone.config._attn_implementation == "sdpa_tree_gqa"
     for name, tree in (("medusa+ngram", "cpu-16"), ("medusa", "cpu-8")):
         assert_exact(model, backbone, references[:3], make_drafter(model, name, tree=tree))
