@@ -24,6 +24,7 @@ from .head_types import head_type_class
 from .heads import DraftHeads
 from .ngram_store import NgramStore, find_store
 from .packing import pack_linears
+from .quantize import check_quantize, quantize_backbone
 
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
@@ -270,6 +271,7 @@ class MedusaModel(nn.Module):
         device: str | torch.device = "cpu",
         num_heads: int = 4,
         pack_weights: bool = True,
+        quantize: str = "none",
     ) -> "MedusaModel":
         r"""
         Load backbone + heads.
@@ -282,11 +284,15 @@ class MedusaModel(nn.Module):
             dtype, device: where and how the backbone and heads run.
             pack_weights: on CPU, lay the linear weights out once for oneDNN (`packing.pack_linears`): faster,
                 bit-identical in bf16, another rounding in fp32, one more copy of the weights in memory.
+            quantize: `none`, or `int8`: the backbone's decoder computes with int8 weights (`quantize.py`, CPU
+                only); packing then covers the layers left in float (the LM head).
 
         A backbone running transformers' `sdpa` attention switches to `sdpa_tree_gqa` (`attention.py`: tree steps
-        read grouped key/value heads in place; bit-identical). Both change a `base_model` passed in, in place.
+        read grouped key/value heads in place; bit-identical). These and `quantize` change a `base_model` passed in,
+        in place.
         """
         dtype = parse_dtype(dtype, device)
+        check_quantize(quantize, device)
         if heads_path is None and not isinstance(base_model, PreTrainedModel):
             heads_path = shipped_heads(base_model or EMBEDDED_MODEL)
         heads = load_heads(heads_path, dtype=dtype) if heads_path is not None else None
@@ -303,6 +309,7 @@ class MedusaModel(nn.Module):
             logger.warning("No trained heads for `%s`: using %d untrained heads (exact, but few tokens accepted).",
                            name, num_heads)
             heads = untrained_heads(backbone, name, num_heads=num_heads, gguf_file=gguf)
+        quantize_backbone(backbone, quantize)  # after the adapter is merged into the float weights
         model = cls(backbone, heads.to(device=backbone.device, dtype=backbone.dtype), adapter)
         use_tree_gqa_attention(model.backbone)
         if pack_weights:

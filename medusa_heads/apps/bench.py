@@ -26,6 +26,7 @@ from medusa_heads.inference.generate import encode_prompt, eos_token_ids
 from medusa_heads.inference.registry import ACCEPTANCE_RULES, DRAFTERS, INT_OPTIONS, check_drafter_options
 from medusa_heads.model import MedusaModel, load_heads
 from medusa_heads.packing import stock_linears
+from medusa_heads.quantize import quantization_of
 
 from .memory import PeakMemory
 
@@ -231,6 +232,7 @@ def fingerprint(model) -> dict:
     return {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": torch.get_num_threads(), "dtype": str(model.backbone.dtype), "device": str(model.device),
+            "quantize": quantization_of(model.backbone),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
@@ -383,8 +385,9 @@ def markdown(result: dict) -> str:
                      + (f" {_share(s['identical_to_fp32'], s['prompts'])} |" if fp32 else "")
                      + (f" {memory:.0f} |" if memory is not None else " - |"))
     fp = result["fingerprint"]
-    lines.append(f"\n{fp['dtype']} on {fp['device']} ({fp['cpu']}, {fp['threads']} threads), torch {fp['torch']}, "
-                 f"transformers {fp['transformers']}, {result['max_new_tokens']} new tokens, "
+    weights = f", {fp['quantize']} weights" if fp.get("quantize", "none") != "none" else ""
+    lines.append(f"\n{fp['dtype']}{weights} on {fp['device']} ({fp['cpu']}, {fp['threads']} threads), "
+                 f"torch {fp['torch']}, transformers {fp['transformers']}, {result['max_new_tokens']} new tokens, "
                  f"{result['repeats']} repeat(s)"
                  + (f", {result['prompts']} prompts in {result['wall_seconds'] / 60:.1f} min (warm-up and "
                     "references included)." if "wall_seconds" in result else "."))

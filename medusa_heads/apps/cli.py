@@ -11,8 +11,12 @@ from huggingface_hub.errors import StrictDataclassError
 from medusa_heads.backbone import first_line
 from medusa_heads.errors import MedusaError
 from medusa_heads.inference.registry import ACCEPTANCE_RULES, DEFAULT_TREE, DRAFTERS, drafters_taking
+from medusa_heads.quantize import QUANTIZATIONS
 
 from .bench import method_syntax
+
+
+QUANTIZE_HELP = "int8: the backbone's decoder computes with int8 weights (CPU only; docs/benchmarks.md)"
 
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -63,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--quantize", choices=QUANTIZATIONS, default="none", help=QUANTIZE_HELP)
     _add_runtime_args(g)
     g.set_defaults(dtype="auto")
 
@@ -104,6 +109,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=Path, default=Path("bench-out"))
     b.add_argument("--no-fp32-reference", action="store_true",
                    help="in bf16/fp16, skip comparing outputs with fp32 greedy")
+    b.add_argument("--quantize", choices=QUANTIZATIONS, default="none", help=QUANTIZE_HELP + "; every method, the "
+                   "HF ones and the fp32 reference included, runs the same quantized backbone")
     _add_runtime_args(b)
     e = sub.add_parser("export", help="write Medusa heads or the EAGLE drafter in the layout a serving engine reads")
     e.add_argument("--format", required=True, choices=["vllm", "medusa", "trtllm", "speculators"],
@@ -183,6 +190,7 @@ def _bench(args) -> None:
 
     from medusa_heads.backbone import load_backbone
     from medusa_heads.model import MedusaModel
+    from medusa_heads.quantize import quantize_backbone
 
     from .bench import bench, markdown, read_bench_prompts, write_report
 
@@ -190,12 +198,14 @@ def _bench(args) -> None:
     if any("=" not in pair for pair in args.alt_heads):
         raise MedusaError("`--alt-heads` takes LABEL=PATH.")
     alt_heads = dict(pair.split("=", 1) for pair in args.alt_heads)
-    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
+    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
+                                        quantize=args.quantize)
     tokenizer = _tokenizer(args, model)
     fp32 = None
     if model.backbone.dtype != torch.float32 and not args.no_fp32_reference:
         fp32 = load_backbone(_backbone_name(args, model), gguf_file=_gguf_file(args, model), dtype=torch.float32,
                              device=args.device)
+        quantize_backbone(fp32, args.quantize)
     result = bench(model, tokenizer, prompts, args.methods.split(","), args.max_new_tokens, args.repeats, fp32,
                    alt_heads)
     write_report(result, args.out)
@@ -243,7 +253,8 @@ def _generate(args) -> None:
     if args.prompts_file is not None:
         _generate_file(args, options, acceptance, by_batch)
         return
-    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
+    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
+                                        quantize=args.quantize)
     tokenizer = _tokenizer(args, model)
     drafter = make_drafter(model, args.drafter, **options)
     if args.json:
@@ -282,7 +293,8 @@ def _generate_file(args, options: dict, acceptance, by_batch: bool) -> None:
         # one sampler for the whole batch would make each answer depend on the others
         raise MedusaError("Sampling with --prompts-file needs --batch-size 1 (each answer its own random draws).")
     rows = read_bench_prompts(args.prompts_file)
-    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
+    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
+                                        quantize=args.quantize)
     tokenizer = _tokenizer(args, model)
     start, tokens = time.perf_counter(), 0
     for first in range(0, len(rows), args.batch_size):
@@ -313,7 +325,8 @@ def _configuration(args, model, drafter, options: dict) -> str:
                                      "--dtype float32 for HF-identical tokens") + ")"
     return (f"drafter {args.drafter}" + (f" ({', '.join(taken)})" if taken else "")
             + f", up to {drafter.tree.size} tree nodes; {model.heads.head_type} heads {heads}; "
-            f"{args.acceptance} acceptance; {dtype} on {model.device}")
+            f"{args.acceptance} acceptance; {dtype}" + (f", {args.quantize} weights" if args.quantize != "none" else "")
+            + f" on {model.device}")
 
 
 def _stats_lines(stats) -> list[str]:
