@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from medusa_heads.backbone import EMBEDDED_MODEL, load_backbone, load_tokenizer
 from medusa_heads.errors import MedusaError, read_jsonl
+from medusa_heads.quantize import quantize_backbone
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,8 @@ def done_ids(out: Path) -> set[str]:
 @torch.no_grad()
 def distill(prompts: Path, out: Path, model: str = EMBEDDED_MODEL, batch_size: int = 32, max_new_tokens: int = 256,
             temperature: float = 0.0, dtype: str = "bfloat16", device: str = "cpu", limit: int | None = None,
-            seed: int = 0) -> int:
+            seed: int = 0, quantize: str = "none") -> int:
+    """`quantize`: answers of the backbone with int8 weights (`medusa_heads.quantize`)."""
     rows = read_prompts(prompts)[:limit]
     skip = done_ids(out)
     todo = [r for r in rows if r["id"] not in skip]
@@ -55,6 +57,7 @@ def distill(prompts: Path, out: Path, model: str = EMBEDDED_MODEL, batch_size: i
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     backbone = load_backbone(model, dtype=dtype, device=device)
+    quantize_backbone(backbone, quantize)
     eos = backbone.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos])
     texts = [tokenizer.apply_chat_template([{"role": "user", "content": r["prompt"]}], add_generation_prompt=True,

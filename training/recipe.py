@@ -10,6 +10,7 @@ import yaml
 from medusa_heads.backbone import parse_dtype
 from medusa_heads.errors import MedusaError
 from medusa_heads.head_types import HEAD_TYPES, head_type_class
+from medusa_heads.quantize import QUANTIZATIONS
 
 
 @dataclass
@@ -18,6 +19,7 @@ class TrainConfig:
     model: str = "smollm2-135m-embedded"  # hub id, folder, or the embedded default
     backbone_dtype: str = "bfloat16"  # the frozen backbone's dtype while making hidden states (bf16: several times
     # faster to make on a CPU)
+    quantize: str = "none"  # int8: the heads learn the hidden states of the int8 backbone (medusa_heads/quantize.py)
     # data
     data: str = "training/data/distilled.jsonl"  # jsonl/json/parquet file or folder, or a hub dataset name
     max_length: int = 512  # tokens per conversation; longer ones are truncated (and counted in the log)
@@ -32,6 +34,8 @@ class TrainConfig:
     # decoder layer over the context
     draft_vocab_size: int | None = None  # heads guess among the N most frequent assistant tokens only
     draft_vocab_coverage: float | None = None  # ... or among as few as cover this share of them (e.g. 0.99)
+    init_heads: str | None = None  # start from these saved heads (fine-tuning) instead of the backbone's LM head;
+    # their num_heads, num_layers, head_type and share_lm_head must be the recipe's
     # objective
     loss: str = "ce"  # ce: hard labels; kl: the backbone's own distribution (free from the same forward); kl was
     # better calibrated but no better at acceptance in a first experiment
@@ -82,7 +86,7 @@ class TrainConfig:
         """Each field alone: one sentence naming it."""
         for name in ("model", "data", "output_dir", "lora_target_modules"):
             _require(getattr(self, name).strip() != "", name, "must not be empty")
-        for name in ("eval_data", "tree", "hidden_cache_dir", "deepspeed_config", "report_to"):
+        for name in ("eval_data", "tree", "hidden_cache_dir", "deepspeed_config", "report_to", "init_heads"):
             _require(getattr(self, name) is None or getattr(self, name).strip() != "", name,
                      "must be a non-empty string or null")
         try:
@@ -90,6 +94,8 @@ class TrainConfig:
         except MedusaError:
             raise MedusaError(f"`backbone_dtype` must be float32, bfloat16 or float16 (or fp32, bf16, fp16), got "
                               f"{self.backbone_dtype!r}.") from None
+        _require(self.quantize in QUANTIZATIONS, "quantize", f"must be one of {', '.join(QUANTIZATIONS)}",
+                 self.quantize)
         _require(self.head_type in HEAD_TYPES, "head_type", f"must be one of {', '.join(HEAD_TYPES)}",
                  self.head_type)
         _require(self.loss in ("ce", "kl"), "loss", "must be ce or kl", self.loss)
@@ -129,6 +135,11 @@ class TrainConfig:
         if self.medusa2 and self.cache_hidden_states:
             raise MedusaError("`medusa2` trains the backbone, so its hidden states change: set "
                               "`cache_hidden_states: false`.")
+        if self.medusa2 and self.quantize != "none":
+            raise MedusaError("`medusa2` trains adapters on the float backbone: it does not take `quantize`.")
+        if self.init_heads and (self.draft_vocab_size is not None or self.draft_vocab_coverage is not None):
+            raise MedusaError("`init_heads` continues heads over the whole vocabulary; drop `draft_vocab_size` and "
+                              "`draft_vocab_coverage`.")
         if self.medusa2 and self.deepspeed_config:
             raise MedusaError("`medusa2` with `deepspeed_config` is not supported yet; use plain accelerate.")
         if self.loss_weighting == "tree" and self.tree is None:

@@ -25,7 +25,8 @@ from medusa_heads.eagle import unrolled_mask
 from medusa_heads.errors import MedusaError
 from medusa_heads.head_types import head_type_class
 from medusa_heads.heads import DraftHeads
-from medusa_heads.model import save_heads, untrained_heads
+from medusa_heads.model import load_heads, save_heads, untrained_heads
+from medusa_heads.quantize import quantize_backbone
 from medusa_heads.tree import load_tree, validate_tree
 
 from .data import Example, load_examples
@@ -199,14 +200,30 @@ def build_heads(cfg: TrainConfig, backbone: PreTrainedModel,
                 draft_vocab: torch.Tensor | None) -> tuple[DraftHeads, nn.Module, nn.Module | None]:
     """-> (fresh fp32 heads, the projection they score with, the token embeddings if they read tokens).
     The heads train in fp32 (autocast for mixed precision); so do the frozen projection and embeddings they read."""
-    heads = untrained_heads(backbone, cfg.model, cfg.num_heads, cfg.num_layers, cfg.share_lm_head,
-                            head_type=cfg.head_type, draft_vocab=draft_vocab)
+    if cfg.init_heads:
+        heads = initial_heads(cfg)
+    else:
+        heads = untrained_heads(backbone, cfg.model, cfg.num_heads, cfg.num_layers, cfg.share_lm_head,
+                                head_type=cfg.head_type, draft_vocab=draft_vocab)
     heads = heads.to(torch.float32).train()
     lm_head = heads.output_projection(copy.deepcopy(backbone.get_output_embeddings()).float().requires_grad_(False))
     embed = None
     if type(heads).reads_tokens:
         embed = copy.deepcopy(backbone.get_input_embeddings()).float().requires_grad_(False)
     return heads, lm_head, embed
+
+
+def initial_heads(cfg: TrainConfig) -> DraftHeads:
+    """The saved heads `cfg.init_heads`, checked to be the heads the recipe describes."""
+    heads = load_heads(cfg.init_heads)
+    wanted = {"num_heads": cfg.num_heads, "num_layers": cfg.num_layers, "head_type": cfg.head_type,
+              "share_lm_head": cfg.share_lm_head, "draft_vocab_size": None}
+    differ = [f"{k} {getattr(heads.config, k)!r} (the recipe: {v!r})" for k, v in wanted.items()
+              if getattr(heads.config, k) != v]
+    if differ:
+        raise MedusaError(f"`init_heads` {cfg.init_heads} are not the recipe's heads: {'; '.join(differ)}.")
+    heads.config.base_model_name_or_path = cfg.model
+    return heads
 
 
 def add_adapters(cfg: TrainConfig, backbone: PreTrainedModel) -> PreTrainedModel:
@@ -301,10 +318,11 @@ def cache_hidden_states(run: Run) -> tuple[HiddenStateCache, HiddenStateCache | 
     cfg, data = run.cfg, run.data
     start = time.perf_counter()
     folder = Path(cfg.hidden_cache_dir) if cfg.hidden_cache_dir else None
-    train_cache = HiddenStateCache.build(run.backbone, cfg.model, data.train_set, cfg.batch_size, folder)
+    name = cfg.model if cfg.quantize == "none" else f"{cfg.model} ({cfg.quantize})"  # another backbone's states
+    train_cache = HiddenStateCache.build(run.backbone, name, data.train_set, cfg.batch_size, folder)
     held_cache = None
     if data.held_out:
-        held_cache = HiddenStateCache.build(run.backbone, cfg.model, data.held_out, cfg.batch_size, folder)
+        held_cache = HiddenStateCache.build(run.backbone, name, data.held_out, cfg.batch_size, folder)
     logger.info("hidden states ready in %.1f s", time.perf_counter() - start)
     return train_cache, held_cache
 
@@ -529,6 +547,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     # Backbone (frozen), data and heads, made before the Accelerator: under ZeRO-3 anything built after it
     # is partitioned on construction, and the frozen backbone must stay whole.
     backbone = load_backbone(cfg.model, dtype=cfg.backbone_dtype)
+    quantize_backbone(backbone, cfg.quantize)
     data = prepare_data(cfg, backbone, load_tokenizer(cfg.model))
     heads, lm_head, embed = build_heads(cfg, backbone, data.draft_vocab)
     if cfg.medusa2:

@@ -1,0 +1,100 @@
+"""An int8 backbone (`medusa_heads/quantize.py`): the weights are int8, packing leaves them alone, and greedy tree
+decoding on it is HF `generate`'s greedy output on the same int8 model (fp32 activations)."""
+
+import pytest
+import torch
+from torch import nn
+
+from medusa_heads import EMBEDDED_MODEL, MedusaModel, load_backbone
+from medusa_heads.errors import MedusaError
+from medusa_heads.inference import make_drafter
+from medusa_heads.inference.generate import encode_prompt
+from medusa_heads.model import save_heads, untrained_heads
+from medusa_heads.packing import PackedLinear, stock_linears
+from medusa_heads.quantize import DEQUANTIZED_ROWS, Int8Linear, quantization_of, quantize_backbone
+from medusa_heads.training.recipe import load_recipe
+from medusa_heads.training.trainer import train
+
+from conftest import MEDUSA_HEADS  # noqa: E402
+from oracle import assert_exact, hf_greedy  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_computes_with_its_int8_weights(dtype):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48).to(dtype).requires_grad_(False)
+    layer = Int8Linear(linear)
+    assert layer.qweight.dtype == torch.int8 and layer.scales.dtype == dtype
+    weight = layer.dequantized()
+    rounding = 0.51 if dtype == torch.float32 else 1.0  # half a step, plus bf16's own rounding of the product
+    assert (weight.float() - linear.weight.float()).abs().max() <= layer.scales.float().max() * rounding
+    for rows in (1, 5, DEQUANTIZED_ROWS, 40):  # the int8 kernel, then the de-quantised weight
+        x = torch.randn(rows, 64, dtype=dtype)
+        tol = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(layer(x[None])[0], x @ weight.T + linear.bias, rtol=tol, atol=tol)
+
+
+def int8_model(folder, dtype=torch.float32) -> MedusaModel:
+    return MedusaModel.from_pretrained(None, base_model=load_backbone(str(folder), dtype=dtype), quantize="int8")
+
+
+def test_the_decoder_is_int8_and_packing_keeps_the_lm_head(tiny_backbone):
+    model = int8_model(tiny_backbone)
+    decoder = model.backbone.get_decoder()
+    layers = [m for m in decoder.modules() if isinstance(m, Int8Linear)]
+    assert len(layers) == 2 * 7 and not any(isinstance(m, nn.Linear) for m in decoder.modules())
+    assert all(m.qweight.dtype == torch.int8 and m.qweight.element_size() == 1 for m in layers)
+    assert type(model.backbone.get_output_embeddings()) is PackedLinear  # the float LM head is still packed
+    assert quantization_of(model.backbone) == "int8"
+    float_bytes = sum(p.numel() * 4 for m in layers for p in (m.qweight,))
+    int8_bytes = sum(b.numel() * b.element_size() for m in layers for b in m.buffers())
+    assert int8_bytes < 0.3 * float_bytes
+
+
+def test_tree_decoding_on_int8_is_hf_greedy_on_the_same_int8_model(tiny_backbone):
+    model = int8_model(tiny_backbone)
+    torch.manual_seed(1)
+    prompts = [torch.randint(3, 400, (1, n)) for n in (10, DEQUANTIZED_ROWS + 8)]  # both kernels in the prefill
+    with stock_linears(model.backbone):  # HF `generate` as users run it: the LM head unpacked, the int8 layers
+        references = [(ids, hf_greedy(model.backbone, ids, 40)) for ids in prompts]
+    for name, tree in (("medusa", "cpu-8"), ("medusa+ngram", "cpu-16")):
+        stats = assert_exact(model, model.backbone, references, make_drafter(model, name, tree=tree), 40)
+        assert any(max(s.accepted_lengths) > 1 for s in stats)  # trees were verified, not just one token a step
+
+
+def test_bad_quantize_values_are_one_line_errors(tiny_backbone, cli, tmp_path):
+    with pytest.raises(MedusaError, match="Unknown quantization `int4`; use one of none, int8"):
+        MedusaModel.from_pretrained(None, base_model=load_backbone(str(tiny_backbone)), quantize="int4")
+    with pytest.raises(MedusaError, match="runs on the CPU only"):
+        MedusaModel.from_pretrained(None, base_model=str(tiny_backbone), quantize="int8", device="cuda")
+    with pytest.raises(MedusaError, match="needs a float32 or bfloat16 backbone"):
+        quantize_backbone(load_backbone(str(tiny_backbone), dtype=torch.float16), "int8")
+    with pytest.raises(SystemExit):
+        cli("generate", "--prompt", "hi", "--model", str(tiny_backbone), "--quantize", "int4")
+    with pytest.raises(MedusaError, match="`quantize` must be one of none, int8, got 'fp8'"):
+        load_recipe(None, {"quantize": "fp8"})
+    with pytest.raises(MedusaError, match="`medusa2` trains adapters on the float backbone"):
+        load_recipe(None, {"quantize": "int8", "medusa2": "true", "cache_hidden_states": "false"})
+
+
+def test_heads_fine_tune_on_the_int8_backbone_from_saved_heads(tiny_backbone, counting_data, tmp_path):
+    start = save_heads(tmp_path / "start", untrained_heads(load_backbone(str(tiny_backbone)), str(tiny_backbone), 2))
+    values = dict(model=str(tiny_backbone), backbone_dtype="float32", data=str(counting_data), num_heads=2,
+                  max_steps=4, batch_size=8, warmup_steps=1, eval_every=4, checkpoint_every=4, held_out_fraction=0.1,
+                  top_k=3, hidden_cache_dir=str(tmp_path / "hidden"), init_heads=str(start))
+    train(load_recipe(None, {**values, "output_dir": str(tmp_path / "float")}))
+    result = train(load_recipe(None, {**values, "quantize": "int8", "output_dir": str(tmp_path / "int8")}))
+    assert len(result["accuracies"]["top1"]) == 2
+    assert len(list((tmp_path / "hidden").glob("*.safetensors"))) == 4  # int8 states are not the float ones
+    with pytest.raises(MedusaError, match="are not the recipe's heads: num_heads 2"):
+        train(load_recipe(None, {**values, "num_heads": 3, "output_dir": str(tmp_path / "bad")}))
+
+
+@pytest.mark.slow
+def test_the_int8_embedded_model_decodes_as_hf_on_the_same_int8_model(tokenizer, chat_prompts):
+    model = MedusaModel.from_pretrained(MEDUSA_HEADS, EMBEDDED_MODEL, dtype=torch.float32, quantize="int8")
+    prompts = [encode_prompt(tokenizer, p) for p in chat_prompts[:3]]
+    with stock_linears(model.backbone):
+        references = [(ids, hf_greedy(model.backbone, ids, 64)) for ids in prompts]
+    stats = assert_exact(model, model.backbone, references, make_drafter(model, "medusa", tree="cpu-8"), 64)
+    assert sum(len(s.accepted_lengths) for s in stats) < 3 * 64  # the heads still save forwards on int8
