@@ -5,6 +5,7 @@ import os
 import shutil
 import tempfile
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ from .formats import import_original, is_original_layout
 from .head_types import head_type_class
 from .heads import DraftHeads
 from .ngram_store import NgramStore, find_store
-from .packing import pack_linears
+from .packing import fuse_siblings, pack_linears
 from .quantize import check_quantize, quantize_backbone
 
 if TYPE_CHECKING:
@@ -180,6 +181,13 @@ def save_heads(folder: str | Path, heads: DraftHeads, state_dict: dict | None = 
     return folder
 
 
+@torch.no_grad()
+def _trial_logits(backbone: PreTrainedModel) -> torch.Tensor:
+    """The logits of a short forward without cache: what `fuse_siblings` traces and checks."""
+    ids = torch.arange(1, 6, device=backbone.device)[None] % backbone.config.get_text_config().vocab_size
+    return backbone(input_ids=ids, use_cache=False).logits
+
+
 class MedusaModel(nn.Module):
     r"""
     A frozen backbone and its heads, ready for `medusa_heads.inference.generate`.
@@ -283,7 +291,8 @@ class MedusaModel(nn.Module):
                 config (or the embedded default when there are no heads either).
             dtype, device: where and how the backbone and heads run.
             pack_weights: on CPU, lay the linear weights out once for oneDNN (`packing.pack_linears`): faster,
-                bit-identical in bf16, another rounding in fp32, one more copy of the weights in memory.
+                bit-identical in bf16, another rounding in fp32, one more copy of the weights in memory. Backbone
+                layers reading the same input (q/k/v, gate/up) share one packed product (`packing.fuse_siblings`).
             quantize: `none`, or `int8`: the backbone's decoder computes with int8 weights (`quantize.py`, CPU
                 only); packing then covers the layers left in float (the LM head).
 
@@ -314,4 +323,5 @@ class MedusaModel(nn.Module):
         use_tree_gqa_attention(model.backbone)
         if pack_weights:
             pack_linears(model)
+            fuse_siblings(model.backbone, partial(_trial_logits, model.backbone))
         return model

@@ -1,5 +1,5 @@
-"""Linear layers packed for oneDNN: the same module and parameters, the same numbers (bit-identical in bf16), and
-tree decoding on a packed fp32 model (with `sdpa_tree_gqa` attention) still gives HF `generate`'s greedy output on the stock model."""
+"""Linear layers packed for oneDNN: the same module and parameters, the same numbers (bit-identical in bf16), sibling
+layers sharing one product without changing a bit, and tree decoding on a packed fp32 model (with `sdpa_tree_gqa` attention) still gives HF `generate`'s greedy output on the stock model."""
 
 import pytest
 import torch
@@ -7,7 +7,7 @@ from torch import nn
 
 from medusa_heads import EMBEDDED_MODEL, MedusaModel
 from medusa_heads.inference import make_drafter
-from medusa_heads.packing import PackedLinear, can_pack, pack_linears, stock_linears
+from medusa_heads.packing import PackedLinear, SiblingLinear, can_pack, fuse_siblings, pack_linears, stock_linears
 
 from oracle import assert_exact  # noqa: E402
 
@@ -43,6 +43,71 @@ def test_packed_linears_compute_what_nn_linear_computes(dtype):
     assert type(model[0]) is PackedLinear
 
 
+class TwoReaders(nn.Module):
+    """Two linear layers reading one input; `scale_between` modifies that input in place between their calls."""
+
+    def __init__(self, scale_between: bool = False):
+        super().__init__()
+        self.norm, self.a, self.b = nn.LayerNorm(8), nn.Linear(8, 5), nn.Linear(8, 3)
+        self.scale_between = scale_between
+        self.requires_grad_(False)
+
+    def forward(self, x):
+        x = self.norm(x)
+        a = self.a(x)
+        if self.scale_between:
+            x.mul_(2)
+        return torch.cat([a, self.b(x)], -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sibling_layers_of_a_llama_share_one_product_bit_for_bit(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    if not can_pack("cpu", dtype):
+        pytest.skip(f"this CPU does not pack {dtype}")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).to(dtype).eval().requires_grad_(False)
+    ids = torch.randint(0, 64, (2, 9))
+    pack_linears(model)
+    expected = model(ids).logits
+    assert fuse_siblings(model, lambda: model(ids[:, :3]).logits) == 2 * config.num_hidden_layers  # q/k/v, gate/up
+    layer = model.model.layers[0]
+    assert {type(m) for m in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj)} == {SiblingLinear}
+    assert type(layer.self_attn.o_proj) is PackedLinear and type(model.lm_head) is PackedLinear
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, expected)
+    with stock_linears(model):
+        assert type(layer.self_attn.q_proj) is nn.Linear
+    assert type(layer.self_attn.q_proj) is SiblingLinear
+
+
+def test_a_sibling_given_another_input_or_a_modified_one_computes_its_own_product():
+    model = TwoReaders()
+    x = torch.randn(4, 8)
+    pack_linears(model)
+    assert fuse_siblings(model, lambda: model(x)) == 1
+    other = torch.randn(4, 8)
+    torch.testing.assert_close(model.b(other), other @ model.b.weight.T + model.b.bias)
+    model.scale_between = True  # with autograd's version counter, the modified input is seen and recomputed
+    with torch.no_grad():
+        y = model.norm(x)
+        torch.testing.assert_close(model(x)[:, 5:], (2 * y) @ model.b.weight.T + model.b.bias)
+
+
+def test_fusion_that_would_change_the_output_is_undone():
+    model = TwoReaders(scale_between=True)
+    x = torch.randn(4, 8)
+    pack_linears(model)
+    with torch.inference_mode():  # inference tensors have no version counter: only the trial's check can tell
+        expected = model(x)
+        assert fuse_siblings(model, lambda: model(x)) == 0
+        assert type(model.a) is PackedLinear and torch.equal(model(x), expected)
+
+
 def test_layers_that_train_stay_unpacked():
     model, _ = tied_model(torch.float32)
     model[0].requires_grad_(True)
@@ -52,6 +117,7 @@ def test_layers_that_train_stay_unpacked():
 def test_a_packed_fp32_model_decodes_exactly_as_hf_on_the_stock_model(references, backbone):
     model = MedusaModel.from_pretrained(None, EMBEDDED_MODEL, dtype=torch.float32)  # packed by default
     assert any(type(m) is PackedLinear for m in model.backbone.modules())
+    assert any(type(m) is SiblingLinear for m in model.backbone.modules())
     assert model.backbone.config._attn_implementation == "sdpa_tree_gqa"
     for name, tree in (("medusa+ngram", "cpu-16"), ("medusa", "cpu-8")):
         assert_exact(model, backbone, references[:3], make_drafter(model, name, tree=tree))
