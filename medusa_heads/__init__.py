@@ -16,6 +16,7 @@ _EXPORTS = {
     "MedusaHeads": "heads",
     "HydraHeads": "heads",
     "EagleHead": "eagle",
+    "Eagle3Head": "eagle3",
     "HEAD_TYPES": "head_types",
     "MedusaModel": "model",
     "load_heads": "model",

@@ -146,6 +146,19 @@ def compile_backbone(backbone: PreTrainedModel, mode: str | None = None) -> None
     decoder.forward = torch.compile(decoder.forward, dynamic=True, mode=mode)
 
 
+FEATURE_LAYERS = "medusa_feature_layers"  # the backbone attribute `tap_features` sets
+
+
+def tap_features(backbone: PreTrainedModel, layers: tuple[int, ...]) -> None:
+    """Make `backbone_forward` return, after the last hidden state, the inputs of decoder layers `layers` (what
+    vLLM's EAGLE-3 calls auxiliary hidden states: layer i's input is the output of layer i - 1, 0 the embeddings):
+    the features of a drafter over several layers. `()` undoes it. It changes the backbone for every caller."""
+    count = backbone.config.get_text_config().num_hidden_layers
+    if list(layers) != sorted(set(layers)) or any(not 0 <= i < count for i in layers):
+        raise MedusaError(f"`feature_layers` {list(layers)} must be increasing layer ids in 0..{count - 1}.")
+    setattr(backbone, FEATURE_LAYERS, tuple(layers))
+
+
 def backbone_forward(
     backbone: PreTrainedModel,
     input_ids: torch.Tensor,
@@ -158,12 +171,18 @@ def backbone_forward(
 
     The last hidden state is the one the model's own LM head reads, the input the heads are trained on: the
     decoder's output, caught by a forward hook rather than asking the model for every layer's hidden states.
+    On a backbone tapped by `tap_features` the hidden state is [B, T, (1 + n) H]: the last hidden state, then the
+    inputs of the n tapped layers, in layer order.
     """
     caught = []
-    hook = backbone.get_decoder().register_forward_hook(lambda _module, _args, out: caught.append(out[0]))
+    decoder = backbone.get_decoder()
+    hooks = [decoder.layers[i].register_forward_pre_hook(lambda _module, args: caught.append(args[0]))
+             for i in getattr(backbone, FEATURE_LAYERS, ())]
+    hooks.append(decoder.register_forward_hook(lambda _module, _args, out: caught.append(out[0])))
     try:
         out = backbone(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, cache=cache,
                        use_cache=cache is not None, logits_to_keep=logits_to_keep)
     finally:
-        hook.remove()
-    return out.logits, caught[-1]
+        for hook in hooks:
+            hook.remove()
+    return out.logits, torch.cat(caught[-1:] + caught[:-1], dim=-1) if len(caught) > 1 else caught[-1]

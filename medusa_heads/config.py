@@ -3,7 +3,8 @@
 from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 
-FORMAT_VERSION = 3  # 2: `head_type` and `draft_vocab_size`; 3: `head_type="eagle"` and `decoder_config`
+FORMAT_VERSION = 4  # 2: `head_type` and `draft_vocab_size`; 3: `head_type="eagle"` and `decoder_config`;
+# 4: `head_type="eagle3"` and `feature_layers`
 
 
 @strict(accept_kwargs=True)
@@ -32,14 +33,18 @@ class MedusaConfig(PreTrainedConfig):
         head_type (`str`, defaults to `"medusa"`):
             A name in `medusa_heads.head_types.HEAD_TYPES`: `"medusa"` (`MedusaHeads`, each head reads only the
             hidden state), `"hydra"` (`HydraHeads`, head k also reads the embeddings of the k tokens before its own
-            on the draft path) or `"eagle"` (`EagleHead`, one decoder layer over the backbone's features and
-            tokens of the whole context, drafting `num_heads` deep, one depth per call).
+            on the draft path), `"eagle"` (`EagleHead`, one decoder layer over the backbone's features and
+            tokens of the whole context, drafting `num_heads` deep, one depth per call) or `"eagle3"`
+            (`Eagle3Head`, the same over a fusion of several layers' features, with its own LM head).
         draft_vocab_size (`int`, *optional*):
             Heads guess among this many tokens only (the most frequent in the training targets, saved as the
             `draft_vocab` buffer): a cheaper projection. Verification still uses the full vocabulary.
         decoder_config (`dict`, *optional*):
-            For `head_type="eagle"`: the config (as a dict) of the one-layer decoder, the backbone's own with
-            `num_hidden_layers=1`.
+            For `head_type="eagle"` and `"eagle3"`: the config (as a dict) of the one-layer decoder, the
+            backbone's own with `num_hidden_layers=1`.
+        feature_layers (`list[int]`, *optional*):
+            For `head_type="eagle3"`: the backbone's decoder layers whose inputs it fuses (increasing ids; layer i's
+            input is layer i - 1's output), by default a low, a middle and a high one (2, 15, 27 of 30).
         format_version (`int`):
             Version of the saved format, checked on load.
 
@@ -63,6 +68,7 @@ class MedusaConfig(PreTrainedConfig):
     head_type: str = "medusa"
     draft_vocab_size: int | None = None
     decoder_config: dict | None = None
+    feature_layers: list[int] | None = None
     format_version: int = FORMAT_VERSION
 
     def validate_architecture(self):

@@ -25,7 +25,24 @@ def decoder_config_for(backbone_config: PreTrainedConfig) -> dict:
     return text
 
 
-class EagleHead(DraftHeads):
+class ContextDrafter(DraftHeads):
+    """What the drafters over the context share: they read the backbone's features and the next tokens through
+    decoder layers built from `config.decoder_config`, with a KV cache of their own; they train alone."""
+
+    reads_tokens = True
+    drafts_over_context = True
+    trains_with_adapter = False
+    main_input_name = "features"
+
+    @classmethod
+    def check_config(cls, config: MedusaConfig) -> None:
+        super().check_config(config)
+        if config.decoder_config is None:
+            raise ValueError(f"`head_type={cls.head_type!r}` needs a `decoder_config` (the one-layer decoder's "
+                             "config).")
+
+
+class EagleHead(ContextDrafter):
     r"""
     `fc([f_t; e(x_{t+1})])`, then one decoder layer (the backbone's architecture, built from
     `config.decoder_config`) and its final norm: features [..., T, H] -> predicted next features [..., T, H].
@@ -41,18 +58,8 @@ class EagleHead(DraftHeads):
     """
 
     head_type = "eagle"
-    reads_tokens = True
-    drafts_over_context = True
-    trains_with_adapter = False
     can_own_lm_head = False
     base_model_prefix = "eagle"
-    main_input_name = "features"
-
-    @classmethod
-    def check_config(cls, config: MedusaConfig) -> None:
-        super().check_config(config)
-        if config.decoder_config is None:
-            raise ValueError("`head_type=\"eagle\"` needs a `decoder_config` (the one-layer decoder's config).")
 
     @classmethod
     def config_fields_for(cls, backbone_config: PreTrainedConfig) -> dict:
@@ -96,6 +103,11 @@ class EagleHead(DraftHeads):
         out = self.decoder(inputs_embeds=x, position_ids=position_ids, attention_mask=attention_mask,
                            cache=cache, use_cache=cache is not None)
         return out.last_hidden_state
+
+    def project(self, head: int, states: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """Predicted features [..., H] -> logits [..., V_out] with the backbone's LM head, `lm_head` (its draft-vocabulary
+        rows: `output_projection`); the same at every depth."""
+        return lm_head(states)
 
 
 def unrolled_mask(level: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:

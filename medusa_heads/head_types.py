@@ -5,10 +5,11 @@ here; the loader, the runtime and the trainer find it through this registry and 
 """
 
 from .eagle import EagleHead
+from .eagle3 import Eagle3Head
 from .errors import MedusaError
 from .heads import DraftHeads, HydraHeads, MedusaHeads
 
-HEAD_TYPES: dict[str, type[DraftHeads]] = {cls.head_type: cls for cls in (MedusaHeads, HydraHeads, EagleHead)}
+HEAD_TYPES: dict[str, type[DraftHeads]] = {cls.head_type: cls for cls in (MedusaHeads, HydraHeads, EagleHead, Eagle3Head)}
 
 
 def head_type_class(name: str) -> type[DraftHeads]:

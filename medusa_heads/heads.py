@@ -49,6 +49,7 @@ class DraftHeads(PreTrainedModel):
             trees, calibration or step profiling).
         trains_with_adapter: it can train beside LoRA adapters on the backbone (Medusa-2).
         can_own_lm_head: it may own its vocabulary projection (`share_lm_head=False`).
+        must_own_lm_head: it always owns it (`share_lm_head=True` is an error).
     """
 
     config_class = MedusaConfig
@@ -57,6 +58,7 @@ class DraftHeads(PreTrainedModel):
     drafts_over_context: ClassVar[bool] = False
     trains_with_adapter: ClassVar[bool] = True
     can_own_lm_head: ClassVar[bool] = True
+    must_own_lm_head: ClassVar[bool] = False
     draft_vocab: torch.Tensor | None
 
     @classmethod
@@ -67,6 +69,9 @@ class DraftHeads(PreTrainedModel):
         if not config.share_lm_head and not cls.can_own_lm_head:
             raise ValueError(f"`head_type={cls.head_type!r}` scores with the backbone's LM head: it needs "
                              "`share_lm_head=True`.")
+        if config.share_lm_head and cls.must_own_lm_head:
+            raise ValueError(f"`head_type={cls.head_type!r}` scores with an LM head of its own: it needs "
+                             "`share_lm_head=False`.")
 
     @classmethod
     def config_fields_for(cls, backbone_config: PreTrainedConfig) -> dict:
@@ -75,6 +80,11 @@ class DraftHeads(PreTrainedModel):
 
     def init_from_backbone(self, backbone: PreTrainedModel) -> None:
         """Make fresh heads start from the backbone's own prediction (called by `untrained_heads`)."""
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The backbone's layers whose inputs the heads read beside its last hidden state (`tap_features`)."""
+        return ()
 
     def _register_draft_vocab(self) -> None:
         if self.config.draft_vocab_size:

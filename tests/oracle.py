@@ -1,8 +1,11 @@
-"""HF `generate` on the real model as the oracle of exactness, shared by the decoding and drafter tests."""
+"""HF `generate` on the real model as the oracle of exactness, shared by the decoding and drafter tests; the
+drafters over the context's own drafting as the oracle of their training unroll."""
 
 import torch
 
-from medusa_heads.inference import GenerationStats, generate_ids
+from medusa_heads.inference import DecodeState, EagleDrafter, GenerationStats, generate_ids
+from medusa_heads.inference.cache import TreeCache
+from medusa_heads.inference.generate import prefill
 
 REFERENCE_TOKENS = 128  # new tokens of each HF greedy reference; tests compare any prefix of it
 
@@ -41,3 +44,25 @@ def assert_exact(model, backbone, references, drafter, new_tokens: int = REFEREN
         assert ours == expected, explain_mismatch(backbone, ids, ours, expected)
         all_stats.append(stats)
     return all_stats
+
+
+def unrolled_and_drafted(model, input_ids: torch.Tensor, chain, cfg) -> tuple[list[int], list[int]]:
+    """(the token the training unroll scores best at each level, the tokens drafted down `chain`) after one prompt:
+    level j at the root's position + j - 2 must guess what drafting guesses at depth j."""
+    from medusa_heads.training.trainer import eagle_forward  # accelerate: only for the tests that train
+
+    drafter = EagleDrafter(model, chain)  # before the prefill: it may tap the backbone's layers
+    cache = TreeCache(model.backbone, 1, input_ids.shape[1])
+    logits, hidden = (x[0] for x in prefill(model, input_ids.tolist(), cache))
+    root = int(logits.argmax())
+    drafted = drafter.fill(DecodeState(input_ids[0].tolist() + [root], root, hidden[-1], hidden), chain)[1:]
+    sequence = torch.cat([input_ids[0], torch.tensor([root]), drafted])[None]
+    n = input_ids.shape[1]
+    # Real features up to the root; the levels scored below never read the later ones.
+    features = torch.cat([hidden, torch.zeros(sequence.shape[1] - n, hidden.shape[1])])[None]
+    mask = torch.zeros_like(sequence)
+    mask[0, n + 1:] = 1  # the drafted tokens are the labels: one scored position per level
+    with torch.no_grad():
+        level_logits, _, _ = eagle_forward(model.heads, model.projection, model.backbone.get_input_embeddings(),
+                                           features, sequence, mask, cfg)
+    return [int(model.heads.token_ids(lg[j].argmax())) for j, lg in enumerate(level_logits)], drafted.tolist()

@@ -9,14 +9,11 @@ import torch
 from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward
 from medusa_heads.inference import DecodeState, EagleDrafter, MedusaDrafter, make_drafter
-from medusa_heads.inference.cache import TreeCache
-from medusa_heads.inference.generate import prefill
 from medusa_heads.model import SHIPPED_HEADS, load_heads, untrained_heads
 from medusa_heads.training.recipe import TrainConfig
-from medusa_heads.training.trainer import eagle_forward
 from medusa_heads.tree import build_tree, load_tree
 
-from oracle import assert_exact, decode
+from oracle import assert_exact, decode, unrolled_and_drafted
 
 
 @pytest.fixture(scope="module")
@@ -29,27 +26,13 @@ def eagle_model(backbone):
     return MedusaModel(backbone, heads)
 
 
-def test_training_unroll_predicts_what_drafting_drafts(eagle_model, tokenizer, references):
+def test_training_unroll_predicts_what_drafting_drafts(eagle_model, references):
     """Level j of the training unroll at the root's position + j - 2 scores the token drafted at depth j."""
     chain = build_tree([(0,) * d for d in range(1, 5)])
     cfg = TrainConfig(num_heads=4, head_type="eagle")
     for ids, _ in references[:2]:
-        logits, hidden = (x[0] for x in prefill(eagle_model, ids.tolist(), TreeCache(eagle_model.backbone, 1, ids.shape[1])))
-        root = int(logits.argmax())
-        drafted = EagleDrafter(eagle_model, chain).fill(DecodeState(ids[0].tolist() + [root], root, hidden[-1], hidden),
-                                                        chain)[1:]
-        sequence = torch.cat([ids[0], torch.tensor([root]), drafted])[None]
-        n = ids.shape[1]
-        # Real features up to the root; the levels scored below never read the later ones.
-        features = torch.cat([hidden, torch.zeros(sequence.shape[1] - n, hidden.shape[1])])[None]
-        mask = torch.zeros_like(sequence)
-        mask[0, n + 1:] = 1  # the drafted tokens are the labels: one scored position per level
-        with torch.no_grad():
-            level_logits, _, _ = eagle_forward(eagle_model.heads, eagle_model.projection,
-                                               eagle_model.backbone.get_input_embeddings(), features, sequence,
-                                               mask, cfg)
-        unrolled = [int(eagle_model.heads.token_ids(lg[j].argmax())) for j, lg in enumerate(level_logits)]
-        assert unrolled == drafted.tolist()
+        unrolled, drafted = unrolled_and_drafted(eagle_model, ids, chain, cfg)
+        assert unrolled == drafted
 
 
 class Recorder:

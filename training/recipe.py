@@ -31,7 +31,8 @@ class TrainConfig:
     share_lm_head: bool = True  # False: each head owns a projection initialised from the backbone's (True: a few MB
     # to ship, the projection is the backbone's own)
     head_type: str = "medusa"  # in HEAD_TYPES. medusa: hidden state only; hydra: also the path's tokens; eagle: one
-    # decoder layer over the context
+    # decoder layer over the context; eagle3: the same over a low, a middle and a high layer, own LM head
+    # (`share_lm_head: false`)
     draft_vocab_size: int | None = None  # heads guess among the N most frequent assistant tokens only
     draft_vocab_coverage: float | None = None  # ... or among as few as cover this share of them (e.g. 0.99)
     init_heads: str | None = None  # start from these saved heads (fine-tuning) instead of the backbone's LM head;
@@ -129,6 +130,9 @@ class TrainConfig:
         if not self.share_lm_head and not kind.can_own_lm_head:
             raise MedusaError(f"`share_lm_head: false` is not possible with `head_type: {self.head_type}`, which "
                               "scores with the backbone's LM head.")
+        if self.share_lm_head and kind.must_own_lm_head:
+            raise MedusaError(f"`head_type: {self.head_type}` scores with an LM head of its own: set "
+                              "`share_lm_head: false`.")
         if self.medusa2 and not kind.trains_with_adapter:
             raise MedusaError(f"`medusa2` is not possible with `head_type: {self.head_type}`, which trains alone "
                               "on the frozen backbone.")

@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from medusa_heads.backbone import backbone_forward, load_backbone, load_tokenizer
+from medusa_heads.backbone import backbone_forward, load_backbone, load_tokenizer, tap_features
 from medusa_heads.eagle import unrolled_mask
 from medusa_heads.errors import MedusaError
 from medusa_heads.head_types import head_type_class
@@ -78,8 +78,10 @@ def eagle_forward(drafter, lm_head, embed, hidden, input_ids, loss_mask, cfg: Tr
     """`heads_forward` for an EAGLE drafter, unrolled `cfg.num_heads` draft depths deep ("training-time test"):
     level j at position t predicts x_{t+2} from the backbone's features up to t - j + 1 and its own predicted
     features after them, seeing exactly what it sees when drafting j deep (`unrolled_mask`). Every level is
-    scored at the same positions (t >= num_heads - 1, where x_{t+2} is an answer token)."""
+    scored at the same positions (t >= num_heads - 1, where x_{t+2} is an answer token). `hidden` holds the
+    backbone's features as `backbone_forward` gives them, the last hidden state first (EAGLE-3 reads more layers)."""
     B, T = input_ids.shape
+    raw = getattr(drafter, "module", drafter)  # a DDP module or DeepSpeed engine keeps the drafter as `module`
     n, levels, device = T - 1, cfg.num_heads, input_ids.device  # entry t = (f_t, x_{t+1}), t = 0 .. T - 2
     dtype = next(drafter.parameters()).dtype
     token_embeds = embed(input_ids[:, 1:]).to(dtype)
@@ -92,11 +94,12 @@ def eagle_forward(drafter, lm_head, embed, hidden, input_ids, loss_mask, cfg: Tr
         features = hidden[:, :-1].to(dtype) if level == 1 else F.pad(out[:, :-1], (0, 0, 1, 0))
         mask = unrolled_mask(level, n, device)[None, None].expand(B, 1, n, level * n)
         out = drafter(features, token_embeds, positions, mask, cache)
-        logits.append(lm_head(out[where]))
+        logits.append(raw.project(level - 1, out[where], lm_head))
     teachers = None
     if cfg.loss == "kl":
+        last = hidden[:, 1:, : raw.config.hidden_size]
         with torch.no_grad():
-            teachers = [lm_head(hidden[:, 1:][where].to(lm_head.weight.dtype))] * levels
+            teachers = [lm_head(last[where].to(lm_head.weight.dtype))] * levels
     return logits, [labels] * levels, teachers
 
 
@@ -319,6 +322,8 @@ def cache_hidden_states(run: Run) -> tuple[HiddenStateCache, HiddenStateCache | 
     start = time.perf_counter()
     folder = Path(cfg.hidden_cache_dir) if cfg.hidden_cache_dir else None
     name = cfg.model if cfg.quantize == "none" else f"{cfg.model} ({cfg.quantize})"  # another backbone's states
+    if run.raw_heads.feature_layers:  # more layers' states (`tap_features`)
+        name += f" (+ layers {list(run.raw_heads.feature_layers)})"
     train_cache = HiddenStateCache.build(run.backbone, name, data.train_set, cfg.batch_size, folder)
     held_cache = None
     if data.held_out:
@@ -550,6 +555,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     quantize_backbone(backbone, cfg.quantize)
     data = prepare_data(cfg, backbone, load_tokenizer(cfg.model))
     heads, lm_head, embed = build_heads(cfg, backbone, data.draft_vocab)
+    if heads.feature_layers:  # the backbone's forwards also return the layers the heads read
+        tap_features(backbone, heads.feature_layers)
     if cfg.medusa2:
         backbone = add_adapters(cfg, backbone)
     accelerator = make_accelerator(cfg, trackers)

@@ -1,8 +1,10 @@
-"""`EagleDrafter`: fills a static tree with an `EagleHead`, which keeps its own KV cache over the context."""
+"""`EagleDrafter`: fills a static tree with an `EagleHead` or `Eagle3Head`, which keeps its own KV cache over the
+context."""
 
 import torch
 from transformers import DynamicCache
 
+from medusa_heads.backbone import tap_features
 from medusa_heads.errors import MedusaError
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
@@ -19,6 +21,10 @@ class EagleDrafter:
     context and to the entries of its ancestors only; its output predicts its children. The speculative
     entries are dropped from the cache afterwards: the next step recomputes the accepted ones from the
     backbone's real features.
+
+    A drafter that reads several of the backbone's layers (`feature_layers`, EAGLE-3) taps them on the backbone
+    (`tap_features`), so that the decoding loop's hidden states carry them: every later forward of that backbone
+    returns them too.
     """
 
     per_sequence = True  # its cache follows one sequence
@@ -32,6 +38,9 @@ class EagleDrafter:
                               f"{model.config.num_heads}: choose a shallower tree.")
         self.model = model
         self.tree = tree
+        self.width = model.config.hidden_size * (1 + len(model.heads.feature_layers))  # of the backbone's features
+        if model.heads.feature_layers:
+            tap_features(model.backbone, model.heads.feature_layers)
         self.embed = model.backbone.get_input_embeddings()
         self.cache: DynamicCache | None = None
         self.committed = 0  # positions whose entries are in the cache
@@ -41,6 +50,9 @@ class EagleDrafter:
         fresh = state.fresh_hidden
         if fresh is None:
             raise MedusaError("EagleDrafter needs the hidden states of newly committed positions (`fresh_hidden`).")
+        if fresh.shape[-1] != self.width:
+            raise MedusaError(f"EagleDrafter needs the backbone's features ({self.width} values a position), got "
+                              f"{fresh.shape[-1]}: is the backbone tapped at {list(self.model.heads.feature_layers)}?")
         root_position = len(state.token_ids) - 1
         start = root_position - fresh.shape[0]
         if start == 0:  # a new sequence
@@ -81,7 +93,7 @@ class EagleDrafter:
                                                       mask[None, None], self.cache)[0]
                 entry[parents] = drafted + torch.arange(n, device=device)
                 drafted += n
-            logits = self.model.projection(predicted[parents])
+            logits = self.model.heads.project(depth, predicted[parents], self.model.projection)
             top = self.model.heads.token_ids(logits.topk(step.k, dim=-1).indices)  # [N, k]
             tokens[step.children] = top[step.child_row, step.child_rank]
         if drafted:

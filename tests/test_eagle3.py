@@ -1,0 +1,176 @@
+"""The EAGLE-3-style drafter: the backbone's layer features it reads, its save/load round trip, its training unroll
+against its drafting, the trainer (one and two processes), and decoding with it exactly as HF greedy (a tiny
+backbone built from a config; the real one in the slow tier)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from medusa_heads import Eagle3Head, MedusaConfig, MedusaError, MedusaModel, load_backbone
+from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward, tap_features
+from medusa_heads.eagle3 import default_feature_layers
+from medusa_heads.inference import DecodeState, EagleDrafter, make_drafter
+from medusa_heads.inference.generate import encode_prompt
+from medusa_heads.model import load_heads, untrained_heads
+from medusa_heads.training.recipe import TrainConfig
+from medusa_heads.training.trainer import train
+from medusa_heads.tree import build_tree, load_tree
+
+from oracle import assert_exact, decode, hf_greedy, unrolled_and_drafted
+from test_multiprocess import two_processes  # noqa: E402
+from test_training import recipe  # noqa: E402
+
+CHAIN = build_tree([(0,) * d for d in range(1, 4)])
+
+
+def three_deep(tree: str, folder: Path) -> str:
+    """A shipped tree cut to the drafters' 3 depths, as a file `make_drafter` reads."""
+    path = folder / f"{tree}-3.json"
+    path.write_text(json.dumps({"paths": [list(p) for p in load_tree(tree) if len(p) <= 3]}))
+    return str(path)
+
+
+def random_eagle3(backbone, name: str, vocab: int, draft: int, std: float = 0.05) -> MedusaModel:
+    """A random drafter over a random draft vocabulary (its norms left as they start): its guesses depend on
+    features, tokens and context."""
+    torch.manual_seed(0)
+    heads = untrained_heads(backbone, name, num_heads=3, share_lm_head=False, head_type="eagle3",
+                            draft_vocab=torch.randperm(vocab)[:draft])
+    for name, p in heads.named_parameters():
+        if "norm" not in name:
+            p.data.normal_(std=std)
+    return MedusaModel(backbone, heads)
+
+
+@pytest.fixture
+def tiny(tiny_backbone):
+    """A tiny backbone of its own (the drafter taps its layers) with a random EAGLE-3 drafter."""
+    backbone = load_backbone(str(tiny_backbone))
+    return random_eagle3(backbone, str(tiny_backbone), backbone.get_output_embeddings().weight.shape[0], 500, std=1.0)
+
+
+def test_default_feature_layers_are_low_middle_and_high():
+    assert default_feature_layers(30) == [2, 15, 27]  # what vLLM picks for a 30-layer target
+    assert default_feature_layers(32) == [2, 16, 29]
+    assert default_feature_layers(2) == [0, 1]
+
+
+def test_a_tapped_backbone_returns_the_inputs_of_its_feature_layers(tiny_backbone):
+    backbone = load_backbone(str(tiny_backbone))
+    ids = torch.tensor([[5, 9, 14, 3]])
+    with torch.no_grad():
+        hf = backbone(input_ids=ids, output_hidden_states=True).hidden_states  # [i]: layer i's input
+        _, last = backbone_forward(backbone, ids, None)
+        tap_features(backbone, (0, 1))
+        _, features = backbone_forward(backbone, ids, None)
+    assert features.shape == (1, 4, 3 * 32)
+    torch.testing.assert_close(features, torch.cat([last, hf[0], hf[1]], dim=-1), rtol=0, atol=0)
+    tap_features(backbone, ())
+    assert backbone_forward(backbone, ids, None)[1].shape == (1, 4, 32)
+    for bad in ((1, 0), (0, 2), (1, 1)):
+        with pytest.raises(MedusaError, match="increasing layer ids in 0..1"):
+            tap_features(backbone, bad)
+
+
+def test_save_and_load_round_trip(tiny, tmp_path):
+    heads = tiny.heads
+    heads.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["head_type"] == "eagle3" and config["feature_layers"] == [0, 1] and config["format_version"] == 4
+    loaded = load_heads(tmp_path)
+    assert isinstance(loaded, Eagle3Head) and loaded.feature_layers == (0, 1)
+    assert loaded.state_dict().keys() == heads.state_dict().keys()
+    for key, value in heads.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    features, embeds = torch.randn(1, 6, 96), torch.randn(1, 6, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.project(0, loaded(features, embeds)), heads.project(0, heads(features, embeds)))
+
+
+def test_config_errors():
+    decoder = {"model_type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2,
+               "num_key_value_heads": 1, "num_hidden_layers": 1, "vocab_size": 1}
+    with pytest.raises(ValueError, match="LM head of its own: it needs `share_lm_head=False`"):
+        Eagle3Head(MedusaConfig(head_type="eagle3", hidden_size=16, vocab_size=40, decoder_config=decoder,
+                                feature_layers=[0]))
+    with pytest.raises(ValueError, match="needs `feature_layers`"):
+        Eagle3Head(MedusaConfig(head_type="eagle3", hidden_size=16, vocab_size=40, share_lm_head=False,
+                                decoder_config=decoder))
+    heads = Eagle3Head(MedusaConfig(head_type="eagle3", hidden_size=16, vocab_size=40, share_lm_head=False,
+                                    decoder_config=decoder, feature_layers=[0, 1]))
+    with pytest.raises(ValueError, match="Expected features of 16 or 48 values"):
+        heads(torch.zeros(1, 2, 32), torch.zeros(1, 2, 16))
+    with pytest.raises(MedusaError, match="`share_lm_head: false`"):
+        TrainConfig(head_type="eagle3")
+
+
+def test_the_drafter_needs_the_backbone_s_features(tiny):
+    drafter = EagleDrafter(tiny, CHAIN)  # taps the backbone
+    hidden = torch.zeros(3, 32)  # the last hidden state alone: the backbone was untapped behind its back
+    with pytest.raises(MedusaError, match="backbone's features .96 values a position., got 32"):
+        drafter.propose(DecodeState([1, 2, 3, 4], 4, hidden[-1], hidden))
+
+
+def test_training_unroll_predicts_what_drafting_drafts(tiny, tokenizer):
+    """Level j of the training unroll at the root's position + j - 2 scores the token drafted at depth j: training
+    sees exactly what drafting sees (its own outputs fed back, the context's features up to the root)."""
+    cfg = TrainConfig(num_heads=3, head_type="eagle3", share_lm_head=False)
+    for prompt in ("Why do cats purr?", "Name three rivers in Europe, please."):
+        unrolled, drafted = unrolled_and_drafted(tiny, encode_prompt(tokenizer, prompt), CHAIN, cfg)
+        assert unrolled == drafted and len(set(drafted)) > 1  # guesses that depend on what the drafter reads
+
+
+@pytest.mark.parametrize("name, tree", [("medusa", "cpu-16"), ("medusa+ngram", "cpu-8")])
+def test_decoding_with_a_random_drafter_is_hf_greedy(tiny, tokenizer, chat_prompts, name, tree, tmp_path):
+    """Many steps of trees 3 deep: the drafter's cache follows the context, and the output is the backbone's."""
+    for prompt in (encode_prompt(tokenizer, p) for p in chat_prompts[:3]):
+        drafter = make_drafter(tiny, name, tree=three_deep(tree, tmp_path))
+        assert decode(tiny, prompt, drafter, max_new_tokens=48) == hf_greedy(tiny.backbone, prompt, 48)
+
+
+def test_the_trainer_trains_it_and_it_decodes_exactly(tiny_backbone, counting_data, tmp_path, tokenizer):
+    """Through the recipe machinery: three layers' states cached, unrolled 2 deep, saved, loaded by
+    `MedusaModel.from_pretrained` (which needs no help to tap the backbone) and decoding exactly."""
+    out = tmp_path / "eagle3"
+    result = train(recipe(tiny_backbone, counting_data, out, head_type="eagle3", share_lm_head=False, max_steps=40,
+                          draft_vocab_coverage=0.99))
+    losses = [h["loss"] for h in result["history"]]
+    assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), losses
+    cached = list((tmp_path / "hidden").glob("*.safetensors"))
+    assert cached and all(f.stat().st_size > 0 for f in cached)
+    accuracies = json.loads((out / "heads" / "head_accuracies.json").read_text())
+    assert accuracies["top1"][0] > 0.3, accuracies["top1"]
+    model = MedusaModel.from_pretrained(out / "heads")
+    assert isinstance(model.heads, Eagle3Head) and model.config.draft_vocab_size < 200
+    ids = encode_prompt(tokenizer, "Count from 7.")
+    drafter = EagleDrafter(model, build_tree([(0,), (1,), (0, 0), (0, 1), (1, 0)]))
+    assert decode(model, ids, drafter, max_new_tokens=40) == hf_greedy(model.backbone, ids, 40)
+
+
+@pytest.mark.slow  # two processes start and train: half a minute or more
+def test_two_processes_train_it(tiny_backbone, counting_data, tmp_path):
+    run = two_processes(tiny_backbone, counting_data, tmp_path / "two", max_steps=4, head_type="eagle3",
+                        share_lm_head="false")
+    assert "world size 2 (process 0)" in run.stderr and "world size 2 (process 1)" in run.stderr
+    assert isinstance(load_heads(tmp_path / "two" / "heads"), Eagle3Head)
+    history = json.loads((tmp_path / "two" / "history.json").read_text())
+    assert len(history) == 4 and all(math.isfinite(h["loss"]) for h in history)
+
+
+@pytest.fixture
+def real_eagle3(backbone):
+    """A random drafter on the real backbone (30 layers: it reads 2, 15 and 27); the shared backbone is untapped
+    afterwards, for the other tests."""
+    yield random_eagle3(backbone, EMBEDDED_MODEL, 49152, 4096)
+    tap_features(backbone, ())
+
+
+@pytest.mark.parametrize("name", ["medusa", "medusa+ngram"])
+def test_decoding_on_the_real_model_is_exact(real_eagle3, backbone, references, name, tmp_path):
+    assert real_eagle3.heads.feature_layers == (2, 15, 27)
+    drafter = make_drafter(real_eagle3, name, tree=three_deep("cpu-16", tmp_path))
+    stats = assert_exact(real_eagle3, backbone, references[:2], drafter, new_tokens=64)
+    assert all(s.steps > 0 for s in stats)
