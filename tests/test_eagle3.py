@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from medusa_heads import Eagle3Head, MedusaConfig, MedusaError, MedusaModel, load_backbone
 from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward, tap_features
@@ -131,16 +132,18 @@ def test_decoding_with_a_random_drafter_is_hf_greedy(tiny, tokenizer, chat_promp
         assert decode(tiny, prompt, drafter, max_new_tokens=48) == hf_greedy(tiny.backbone, prompt, 48)
 
 
-def test_the_trainer_trains_it_and_it_decodes_exactly(tiny_backbone, counting_data, tmp_path, tokenizer):
-    """Through the recipe machinery: three layers' states cached, unrolled 2 deep, saved, loaded by
-    `MedusaModel.from_pretrained` (which needs no help to tap the backbone) and decoding exactly."""
+@pytest.mark.parametrize("cached", [True, False])
+def test_the_trainer_trains_it_and_it_decodes_exactly(tiny_backbone, counting_data, tmp_path, tokenizer, cached):
+    """Through the recipe machinery: three layers' states (cached, or computed each step), unrolled 2 deep, saved,
+    loaded by `MedusaModel.from_pretrained` and decoding exactly."""
     out = tmp_path / "eagle3"
     result = train(recipe(tiny_backbone, counting_data, out, head_type="eagle3", share_lm_head=False, max_steps=40,
-                          draft_vocab_coverage=0.99))
+                          draft_vocab_coverage=0.99, cache_hidden_states=cached))
     losses = [h["loss"] for h in result["history"]]
     assert sum(losses[-5:]) < 0.7 * sum(losses[:5]), losses
-    cached = list((tmp_path / "hidden").glob("*.safetensors"))
-    assert cached and all(f.stat().st_size > 0 for f in cached)
+    files = list((tmp_path / "hidden").glob("*.safetensors"))  # the training and held-out sets'
+    assert len(files) == 2 * cached
+    assert all(load_file(f)["hidden"].shape[-1] == 3 * 32 for f in files)  # the last hidden state, layers 0 and 1
     accuracies = json.loads((out / "heads" / "head_accuracies.json").read_text())
     assert accuracies["top1"][0] > 0.3, accuracies["top1"]
     model = MedusaModel.from_pretrained(out / "heads")
