@@ -115,6 +115,22 @@ def test_the_drafter_needs_the_backbone_s_features(tiny):
         drafter.propose(DecodeState([1, 2, 3, 4], 4, hidden[-1], hidden))
 
 
+def test_a_tapped_backbone_still_serves_the_other_head_types(tiny, tokenizer, tmp_path):
+    """Heads of every other type on the backbone an EAGLE-3 drafter tapped (as the bench runs them side by side)
+    read the last hidden state, the first H of the widened one, and decode exactly."""
+    make_drafter(tiny, "medusa", tree=three_deep("cpu-8", tmp_path))  # taps the backbone
+    ids = encode_prompt(tokenizer, "Why do cats purr?")
+    reference = hf_greedy(tiny.backbone, ids, 24)
+    for head_type, drafter in (("hydra", "medusa"), ("hydra", "dynamic"), ("medusa", "medusa"), ("eagle", "medusa")):
+        torch.manual_seed(0)
+        heads = untrained_heads(tiny.backbone, "tiny", num_heads=3, head_type=head_type)
+        for p in heads.parameters():
+            p.data.normal_(std=0.3)
+        other = MedusaModel(tiny.backbone, heads)
+        tree = {"tree": three_deep("cpu-8", tmp_path)} if drafter == "medusa" else {}
+        assert decode(other, ids, make_drafter(other, drafter, **tree), max_new_tokens=24) == reference, head_type
+
+
 def test_training_unroll_predicts_what_drafting_drafts(tiny, tokenizer):
     """Level j of the training unroll at the root's position + j - 2 scores the token drafted at depth j: training
     sees exactly what drafting sees (its own outputs fed back, the context's features up to the root)."""

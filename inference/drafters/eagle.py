@@ -50,6 +50,7 @@ class EagleDrafter:
         fresh = state.fresh_hidden
         if fresh is None:
             raise MedusaError("EagleDrafter needs the hidden states of newly committed positions (`fresh_hidden`).")
+        fresh = fresh[..., : self.width]  # an EAGLE drafter on a backbone tapped for an EAGLE-3 one reads the first H
         if fresh.shape[-1] != self.width:
             raise MedusaError(f"EagleDrafter needs the backbone's features ({self.width} values a position), got "
                               f"{fresh.shape[-1]}: is the backbone tapped at {list(self.model.heads.feature_layers)}?")
