@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tree", help=f"{', '.join(drafters_taking('tree'))}: a shipped tree name or a JSON file "
                    f"(default {DEFAULT_TREE})")
     g.add_argument("--drafter", choices=list(DRAFTERS),
-                   help="default: the fastest lossless configuration for the dtype (bf16: medusa+ngram on hydra-cpu-16, "
+                   help="default: the fastest lossless configuration for the dtype (bf16: medusa+ngram on hydra-cpu-6, "
                    "fp32: medusa on cpu-3); " + "; ".join(f"{name}: {spec.help}" for name, spec in DRAFTERS.items()))
     g.add_argument("--draft-model", help=f"{', '.join(drafters_taking('draft_model'))}: a small LM with the "
                    "backbone's tokenizer (hub id or folder)")
