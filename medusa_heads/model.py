@@ -242,11 +242,16 @@ class MedusaModel(nn.Module):
             raise MedusaError(f"{what} needs heads that draft from the last hidden state alone (`--heads`); these are "
                               f"`{self.heads.head_type}` heads, which draft over the whole context: static trees only.")
 
+    def last_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last hidden state [..., H] of `backbone_forward`'s hidden states: a backbone tapped for an EAGLE-3
+        drafter (`tap_features`) returns more layers after it."""
+        return hidden[..., : self.config.hidden_size]
+
     @torch.no_grad()
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Plain Medusa heads: hidden [..., H] -> logits [K, ..., V_out] over the heads' output vocabulary
-        (`heads.token_ids` maps its indices to token ids)."""
-        return self.heads(hidden, lm_head=self.projection)
+        """Plain Medusa heads: hidden [..., H] (or a tapped backbone's wider states) -> logits [K, ..., V_out] over
+        the heads' output vocabulary (`heads.token_ids` maps its indices to token ids)."""
+        return self.heads(self.last_hidden(hidden), lm_head=self.projection)
 
     @torch.no_grad()
     def head_topk(self, hidden: torch.Tensor, paths: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -254,7 +259,8 @@ class MedusaModel(nn.Module):
         The heads' guesses for the children of N tree nodes of the same depth d (the root has depth 0).
 
         Args:
-            hidden: [H], the last hidden state, the one that predicted the root.
+            hidden: [H], the last hidden state, the one that predicted the root (or a tapped backbone's wider
+                states, of which the first H are read).
             paths: [N, d + 1] long, the tokens from the root down to each node.
             k: guesses per node.
 
@@ -264,7 +270,7 @@ class MedusaModel(nn.Module):
         """
         depth = paths.shape[1] - 1
         embeds = self.backbone.get_input_embeddings()(paths) if self.heads.reads_tokens else None  # [N, d + 1, H]
-        states = self.heads.head_state(depth, hidden, embeds)
+        states = self.heads.head_state(depth, self.last_hidden(hidden), embeds)
         logprobs = torch.log_softmax(self.heads.project(depth, states, self.projection).float(), -1)
         top = logprobs.topk(k)
         n = paths.shape[0]

@@ -117,17 +117,18 @@ class SiblingLinear(PackedLinear):
         return self.siblings.output(self.sibling_index, x)
 
 
-def _calls_by_input(model: nn.Module, run: Callable[[], object]) -> dict[PackedLinear, list[torch.Tensor]]:
-    """The inputs each `PackedLinear` of `model` is called with during `run()`."""
+def _calls_by_input(model: nn.Module, run: Callable[[], torch.Tensor]
+                    ) -> tuple[dict[PackedLinear, list[torch.Tensor]], torch.Tensor]:
+    """The inputs each `PackedLinear` of `model` is called with during `run()`, and what `run()` returned."""
     calls: dict[PackedLinear, list[torch.Tensor]] = {}
     hooks = [m.register_forward_pre_hook(lambda m, args: calls.setdefault(m, []).append(args[0]))
              for m in model.modules() if type(m) is PackedLinear]
     try:
-        run()
+        output = run()
     finally:
         for hook in hooks:
             hook.remove()
-    return calls
+    return calls, output
 
 
 def _unfuse(members: list[SiblingLinear]) -> None:
@@ -143,8 +144,7 @@ def fuse_siblings(model: nn.Module, run: Callable[[], torch.Tensor]) -> int:
     a tensor) into `Siblings`, in place; returns how many groups. A layer called more than once in the trial
     stays alone. If the trial's output then differs in any bit, every group is undone (and a warning says so).
     """
-    reference = run()
-    calls = _calls_by_input(model, run)
+    calls, reference = _calls_by_input(model, run)
     groups: dict[int, list[PackedLinear]] = {}
     for module, inputs in calls.items():
         if len(inputs) == 1:

@@ -25,7 +25,6 @@ from medusa_heads.tree import TreeBuffers, canonical_tree, validate_tree
 from medusa_heads.tree.spec import Path_
 
 from ..draft import Accepted, DecodeState, Draft
-from .heads import last_hidden
 
 DEFAULT_TOP_K = 8
 
@@ -117,7 +116,7 @@ class DynamicDrafter:
         for d in range(min(budget, self.max_depth)):
             if d and worth_deeper is not None and not worth_deeper(torch.cat(logprobs), float(score[0]), d):
                 break
-            guesses, logp = self.model.head_topk(last_hidden(self.model, state), frontier, self.top_k)  # [N, k]
+            guesses, logp = self.model.head_topk(state.hidden, frontier, self.top_k)  # [N, k]
             child_tokens.append(guesses)
             child_logprobs.append(logp)
             if log_calibration is not None:

@@ -12,12 +12,6 @@ from medusa_heads.tree import TreeBuffers
 from ..draft import DecodeState, Draft
 
 
-def last_hidden(model: MedusaModel, state: DecodeState) -> torch.Tensor:
-    """The last hidden state [H] of `state`: a backbone tapped for an EAGLE-3 drafter (`tap_features`) returns more
-    layers after it."""
-    return state.hidden[..., : model.config.hidden_size]
-
-
 class MedusaDrafter:
     """Heads run once, on the last accepted hidden state; head d's top-k fill the tree's depth-d nodes."""
 
@@ -37,7 +31,7 @@ class MedusaDrafter:
         this drafter's top-k (another drafter's branches) get a placeholder for their owner to overwrite."""
         if self.model.heads.reads_tokens:
             return self._fill_by_depth(state, tree)
-        logits = self.model.head_logits(last_hidden(self.model, state))  # [K, V_out]: one projection for every head
+        logits = self.model.head_logits(state.hidden)  # [K, V_out]: one projection for every head
         top = self.model.heads.token_ids(logits.topk(self.tree.top_k, dim=-1).indices)  # [K, top_k]
         tokens = top[tree.head.clamp(max=top.shape[0] - 1), tree.rank.clamp(max=top.shape[1] - 1)]  # [T]
         tokens[0] = state.root
@@ -48,7 +42,7 @@ class MedusaDrafter:
         tokens = torch.zeros(tree.size, dtype=torch.long, device=tree.depth.device)
         tokens[0] = state.root
         for step in depth_plan(tree.paths, self.tree.top_k, str(tree.depth.device)):
-            top, _ = self.model.head_topk(last_hidden(self.model, state), tokens[step.ancestors], step.k)
+            top, _ = self.model.head_topk(state.hidden, tokens[step.ancestors], step.k)
             tokens[step.children] = top[step.child_row, step.child_rank]
         return tokens
 
