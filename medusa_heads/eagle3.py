@@ -43,6 +43,7 @@ class Eagle3Head(ContextDrafter):
 
     head_type = "eagle3"
     must_own_lm_head = True
+    reads_layers = True
     base_model_prefix = "eagle3"
 
     @classmethod

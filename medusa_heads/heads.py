@@ -59,6 +59,7 @@ class DraftHeads(PreTrainedModel):
     trains_with_adapter: ClassVar[bool] = True
     can_own_lm_head: ClassVar[bool] = True
     must_own_lm_head: ClassVar[bool] = False
+    reads_layers: ClassVar[bool] = False  # config.feature_layers: layers it reads beside the last hidden state
     draft_vocab: torch.Tensor | None
 
     @classmethod

@@ -17,7 +17,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .attention import use_tree_gqa_attention
-from .backbone import EMBEDDED_MODEL, first_line, load_backbone, parse_dtype
+from .backbone import EMBEDDED_MODEL, first_line, load_backbone, parse_dtype, tap_features
 from .config import MedusaConfig
 from .errors import MedusaError
 from .formats import import_original, is_original_layout
@@ -84,9 +84,10 @@ def check_fits(heads: DraftHeads, backbone: PreTrainedModel) -> None:
 
 def untrained_heads(backbone: PreTrainedModel, name_or_path: str, num_heads: int = 4, num_layers: int = 1,
                     share_lm_head: bool = True, gguf_file: str | None = None, head_type: str = "medusa",
-                    draft_vocab: torch.Tensor | None = None) -> DraftHeads:
+                    draft_vocab: torch.Tensor | None = None, **config_fields) -> DraftHeads:
     """Fresh heads of `head_type` for `backbone`, starting from the backbone's own prediction (Medusa and Hydra
-    heads are then exactly its LM head, restricted to `draft_vocab`, token ids the heads guess among, if given)."""
+    heads are then exactly its LM head, restricted to `draft_vocab`, token ids the heads guess among, if given).
+    `config_fields` override what the head type derives from the backbone (e.g. eagle3's `feature_layers`)."""
     kind = head_type_class(head_type)
     config = MedusaConfig(
         base_model_name_or_path=name_or_path,
@@ -98,7 +99,7 @@ def untrained_heads(backbone: PreTrainedModel, name_or_path: str, num_heads: int
         share_lm_head=share_lm_head,
         head_type=head_type,
         draft_vocab_size=None if draft_vocab is None else int(draft_vocab.numel()),
-        **kind.config_fields_for(backbone.config),
+        **(kind.config_fields_for(backbone.config) | config_fields),
     )
     heads = kind(config)
     if draft_vocab is not None:
@@ -210,6 +211,8 @@ class MedusaModel(nn.Module):
         self.backbone = backbone
         self.heads = heads
         self.adapter = adapter
+        if heads.feature_layers:  # every forward of this backbone also returns the layers the heads read
+            tap_features(backbone, heads.feature_layers)
         self._ngram_store = ngram_store
         self._store_looked_up = ngram_store is not None
         # Shared heads project with the backbone's LM head, or a copy of its draft-vocabulary rows.

@@ -123,3 +123,5 @@ def test_bad_options(cli):
                        "temperature")
     assert_clean_error(cli("distill", "--prompts", "/no/such/file.jsonl", "--out", "/tmp/x.jsonl"),
                        "does not exist")
+    assert_clean_error(cli("follow-ups", "/no/such/answers.jsonl", "--out", "/tmp/x.jsonl"), "does not exist")
+    assert_clean_error(cli("self-instruct", "--out", "/tmp/x.jsonl", "--count", "0"), "at least 1")

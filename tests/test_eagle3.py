@@ -48,7 +48,7 @@ def random_eagle3(backbone, name: str, vocab: int, draft: int, std: float = 0.05
 
 @pytest.fixture
 def tiny(tiny_backbone):
-    """A tiny backbone of its own (the drafter taps its layers) with a random EAGLE-3 drafter."""
+    """A tiny backbone of its own (`MedusaModel` taps its layers) with a random EAGLE-3 drafter."""
     backbone = load_backbone(str(tiny_backbone))
     return random_eagle3(backbone, str(tiny_backbone), backbone.get_output_embeddings().weight.shape[0], 500, std=1.0)
 
@@ -109,7 +109,7 @@ def test_config_errors():
 
 
 def test_the_drafter_needs_the_backbone_s_features(tiny):
-    drafter = EagleDrafter(tiny, CHAIN)  # taps the backbone
+    drafter = EagleDrafter(tiny, CHAIN)
     hidden = torch.zeros(3, 32)  # the last hidden state alone: the backbone was untapped behind its back
     with pytest.raises(MedusaError, match="backbone's features .96 values a position., got 32"):
         drafter.propose(DecodeState([1, 2, 3, 4], 4, hidden[-1], hidden))
@@ -118,7 +118,7 @@ def test_the_drafter_needs_the_backbone_s_features(tiny):
 def test_a_tapped_backbone_still_serves_the_other_head_types(tiny, tokenizer, tmp_path):
     """Heads of every other type on the backbone an EAGLE-3 drafter tapped (as the bench runs them side by side)
     read the last hidden state, the first H of the widened one, and decode exactly."""
-    make_drafter(tiny, "medusa", tree=three_deep("cpu-8", tmp_path))  # taps the backbone
+    assert backbone_forward(tiny.backbone, torch.tensor([[1, 2]]), None)[1].shape[-1] == 3 * 32  # tapped
     ids = encode_prompt(tokenizer, "Why do cats purr?")
     reference = hf_greedy(tiny.backbone, ids, 24)
     for head_type, drafter in (("hydra", "medusa"), ("hydra", "dynamic"), ("medusa", "medusa"), ("eagle", "medusa")):
@@ -169,11 +169,30 @@ def test_the_trainer_trains_it_and_it_decodes_exactly(tiny_backbone, counting_da
     assert decode(model, ids, drafter, max_new_tokens=40) == hf_greedy(model.backbone, ids, 40)
 
 
+def test_a_recipe_chooses_the_layers(tiny_backbone, counting_data, tmp_path):
+    """`feature_layers` in a recipe reaches the heads' config, the cache's width and the loaded model's taps."""
+    out = tmp_path / "eagle3"
+    train(recipe(tiny_backbone, counting_data, out, head_type="eagle3", share_lm_head=False, max_steps=2, warmup_steps=1,
+                 feature_layers="1"))
+    caches = list((tmp_path / "hidden").glob("*.safetensors"))
+    assert caches and all(load_file(f)["hidden"].shape[-1] == 2 * 32 for f in caches)  # last hidden, layer 1's input
+    model = MedusaModel.from_pretrained(out / "heads")
+    assert model.heads.feature_layers == (1,)
+    assert backbone_forward(model.backbone, torch.tensor([[1, 2]]), None)[1].shape[-1] == 2 * 32
+    with pytest.raises(MedusaError, match="`feature_layers` is for heads that read several layers"):
+        TrainConfig(head_type="eagle", feature_layers="1")
+    with pytest.raises(MedusaError, match="`feature_layers` must be comma-separated layer ids"):
+        TrainConfig(head_type="eagle3", share_lm_head=False, feature_layers="1,x")
+
+
 @pytest.mark.slow  # two processes start and train: half a minute or more
-def test_two_processes_train_it(tiny_backbone, counting_data, tmp_path):
+@pytest.mark.parametrize("deepspeed", [None, "configs/deepspeed/zero2.json"])
+def test_two_processes_train_it(tiny_backbone, counting_data, tmp_path, deepspeed):
+    extra = {"deepspeed_config": deepspeed} if deepspeed else {}
     run = two_processes(tiny_backbone, counting_data, tmp_path / "two", max_steps=4, head_type="eagle3",
-                        share_lm_head="false")
+                        share_lm_head="false", **extra)
     assert "world size 2 (process 0)" in run.stderr and "world size 2 (process 1)" in run.stderr
+    assert ("DeepSpeed ZeRO-2" in run.stderr) == bool(deepspeed)
     assert isinstance(load_heads(tmp_path / "two" / "heads"), Eagle3Head)
     history = json.loads((tmp_path / "two" / "history.json").read_text())
     assert len(history) == 4 and all(math.isfinite(h["loss"]) for h in history)

@@ -141,7 +141,7 @@ def _extraction_prompts(rng: random.Random, n: int) -> list[str]:
     return out
 
 
-def _shingles(text: str, n: int = 4) -> set[tuple[str, ...]]:
+def shingles(text: str, n: int = 4) -> set[tuple[str, ...]]:
     words = re.findall(r"[a-z0-9]+", text.lower())
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
 
@@ -161,10 +161,10 @@ def make_prompt_set(seed: int = 0, exclude: Path | None = None) -> list[dict]:
     if exclude is not None:
         for line in Path(exclude).read_text().splitlines():
             if line.strip():
-                banned |= _shingles(json.loads(line)["prompt"])
+                banned |= shingles(json.loads(line)["prompt"])
     seen, rows = set(), []
     for category, prompt in prompts:
-        if prompt in seen or _shingles(prompt) & banned:
+        if prompt in seen or shingles(prompt) & banned:
             continue
         seen.add(prompt)
         rows.append({"id": f"{category}-{len(rows)}", "category": category, "prompt": prompt})

@@ -33,6 +33,8 @@ class TrainConfig:
     head_type: str = "medusa"  # in HEAD_TYPES. medusa: hidden state only; hydra: also the path's tokens; eagle: one
     # decoder layer over the context; eagle3: the same over a low, a middle and a high layer, own LM head
     # (`share_lm_head: false`)
+    feature_layers: str | None = None  # eagle3: the backbone's layers it reads, comma-separated ("2,15,27"); null: a
+    # low, a middle and a high layer (vLLM's choice)
     draft_vocab_size: int | None = None  # heads guess among the N most frequent assistant tokens only
     draft_vocab_coverage: float | None = None  # ... or among as few as cover this share of them (e.g. 0.99)
     init_heads: str | None = None  # start from these saved heads (fine-tuning) instead of the backbone's LM head;
@@ -87,7 +89,7 @@ class TrainConfig:
         """Each field alone: one sentence naming it."""
         for name in ("model", "data", "output_dir", "lora_target_modules"):
             _require(getattr(self, name).strip() != "", name, "must not be empty")
-        for name in ("eval_data", "tree", "hidden_cache_dir", "deepspeed_config", "report_to", "init_heads"):
+        for name in ("eval_data", "tree", "feature_layers", "hidden_cache_dir", "deepspeed_config", "report_to", "init_heads"):
             _require(getattr(self, name) is None or getattr(self, name).strip() != "", name,
                      "must be a non-empty string or null")
         try:
@@ -133,6 +135,12 @@ class TrainConfig:
         if self.share_lm_head and kind.must_own_lm_head:
             raise MedusaError(f"`head_type: {self.head_type}` scores with an LM head of its own: set "
                               "`share_lm_head: false`.")
+        if self.feature_layers is not None:
+            if not kind.reads_layers:
+                raise MedusaError(f"`feature_layers` is for heads that read several layers (eagle3), not "
+                                  f"`head_type: {self.head_type}`.")
+            _require(all(x.strip().isdigit() for x in self.feature_layers.split(",")), "feature_layers",
+                     "must be comma-separated layer ids", self.feature_layers)
         if self.medusa2 and not kind.trains_with_adapter:
             raise MedusaError(f"`medusa2` is not possible with `head_type: {self.head_type}`, which trains alone "
                               "on the frozen backbone.")

@@ -206,8 +206,9 @@ def build_heads(cfg: TrainConfig, backbone: PreTrainedModel,
     if cfg.init_heads:
         heads = initial_heads(cfg)
     else:
+        layers = {"feature_layers": [int(x) for x in cfg.feature_layers.split(",")]} if cfg.feature_layers else {}
         heads = untrained_heads(backbone, cfg.model, cfg.num_heads, cfg.num_layers, cfg.share_lm_head,
-                                head_type=cfg.head_type, draft_vocab=draft_vocab)
+                                head_type=cfg.head_type, draft_vocab=draft_vocab, **layers)
     heads = heads.to(torch.float32).train()
     lm_head = heads.output_projection(copy.deepcopy(backbone.get_output_embeddings()).float().requires_grad_(False))
     embed = None

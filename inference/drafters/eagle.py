@@ -4,7 +4,6 @@ context."""
 import torch
 from transformers import DynamicCache
 
-from medusa_heads.backbone import tap_features
 from medusa_heads.errors import MedusaError
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
@@ -22,9 +21,8 @@ class EagleDrafter:
     entries are dropped from the cache afterwards: the next step recomputes the accepted ones from the
     backbone's real features.
 
-    A drafter that reads several of the backbone's layers (`feature_layers`, EAGLE-3) taps them on the backbone
-    (`tap_features`), so that the decoding loop's hidden states carry them: every later forward of that backbone
-    returns them too.
+    A drafter that reads several of the backbone's layers (`feature_layers`, EAGLE-3) finds them in the decoding
+    loop's hidden states: `MedusaModel` taps them on the backbone (`tap_features`) when it is built.
     """
 
     per_sequence = True  # its cache follows one sequence
@@ -39,8 +37,6 @@ class EagleDrafter:
         self.model = model
         self.tree = tree
         self.width = model.config.hidden_size * (1 + len(model.heads.feature_layers))  # of the backbone's features
-        if model.heads.feature_layers:
-            tap_features(model.backbone, model.heads.feature_layers)
         self.embed = model.backbone.get_input_embeddings()
         self.cache: DynamicCache | None = None
         self.committed = 0  # positions whose entries are in the cache

@@ -77,11 +77,30 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--model", default=None, help="backbone (default: the embedded SmolLM2-135M-Instruct)")
     d.add_argument("--batch-size", type=int, default=32)
     d.add_argument("--max-new-tokens", type=int, default=256)
-    d.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
+    d.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; above: sampled ones")
+    d.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling when --temperature > 0")
     d.add_argument("--limit", type=int, help="answer only the first N prompts")
     d.add_argument("--seed", type=int, default=0)
     _add_runtime_args(d)
     d.set_defaults(dtype="bfloat16")
+    si = sub.add_parser("self-instruct", help="let the backbone write new prompts, continuing lists of the shipped "
+                        "ones; near copies and any overlap with --exclude are dropped (resumable)")
+    si.add_argument("--out", type=Path, required=True, help="jsonl of prompts to append to")
+    si.add_argument("--count", type=int, required=True, help="stop when --out holds this many prompts")
+    si.add_argument("--exclude", type=Path, help="prompts (jsonl) that no new prompt may share 4 words in a row with, "
+                    "e.g. benchmarks/prompts.jsonl")
+    si.add_argument("--model", default=None, help="backbone (default: the embedded SmolLM2-135M-Instruct)")
+    si.add_argument("--batch-size", type=int, default=32)
+    si.add_argument("--temperature", type=float, default=1.0)
+    si.add_argument("--seed", type=int, default=0)
+    _add_runtime_args(si)
+    si.set_defaults(dtype="bfloat16")
+    fu = sub.add_parser("follow-ups", help="two-turn conversations from distilled answers, ending in a follow-up "
+                        "request, for `distill` to answer")
+    fu.add_argument("answers", type=Path, help="a `distill` output")
+    fu.add_argument("--out", type=Path, required=True)
+    fu.add_argument("--share", type=float, default=1.0, help="share of the answers to continue")
+    fu.add_argument("--seed", type=int, default=0)
     ns = sub.add_parser("ngram-store", help="count the backbone's frequent continuations in answers, for the "
                         "medusa+ngram+store drafter; saved into the heads folder")
     ns.add_argument("data", help="the backbone's own answers (a `distill` jsonl) or other training data: a "
@@ -354,7 +373,24 @@ def _distill(args) -> None:
 
     distill(args.prompts, args.out, model=args.model or EMBEDDED_MODEL, batch_size=args.batch_size,
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, dtype=args.dtype,
-            device=args.device, limit=args.limit, seed=args.seed)
+            device=args.device, limit=args.limit, seed=args.seed, top_p=args.top_p)
+
+
+def _self_instruct(args) -> None:
+    from medusa_heads.backbone import EMBEDDED_MODEL
+    from medusa_heads.training.self_instruct import self_instruct
+
+    if args.count < 1:
+        raise MedusaError(f"--count must be at least 1, got {args.count}.")
+    self_instruct(args.out, args.count, model=args.model or EMBEDDED_MODEL, exclude=args.exclude,
+                  batch_size=args.batch_size, temperature=args.temperature, seed=args.seed, dtype=args.dtype,
+                  device=args.device)
+
+
+def _follow_ups(args) -> None:
+    from medusa_heads.training.self_instruct import follow_ups
+
+    follow_ups(args.answers, args.out, share=args.share, seed=args.seed)
 
 
 def _serve(args) -> None:
@@ -506,7 +542,8 @@ def _tree(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose or args.command == "distill" else logging.WARNING,
+    chatty = ("distill", "self-instruct", "follow-ups")
+    logging.basicConfig(level=logging.INFO if args.verbose or args.command in chatty else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         import torch
@@ -517,7 +554,8 @@ def main(argv: list[str] | None = None) -> int:
             transformers.logging.disable_progress_bar()
         if getattr(args, "threads", None):
             torch.set_num_threads(args.threads)
-        commands = {"generate": _generate, "distill": _distill, "bench": _bench, "profile": _profile, "tree": _tree,
+        commands = {"generate": _generate, "distill": _distill, "self-instruct": _self_instruct,
+                    "follow-ups": _follow_ups, "bench": _bench, "profile": _profile, "tree": _tree,
                     "ngram-store": _ngram_store, "export": _export, "convert": _convert,
                     "serve": _serve}
         commands[args.command](args)
