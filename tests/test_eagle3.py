@@ -185,17 +185,28 @@ def test_a_recipe_chooses_the_layers(tiny_backbone, counting_data, tmp_path):
         TrainConfig(head_type="eagle3", share_lm_head=False, feature_layers="1,x")
 
 
-@pytest.mark.slow  # two processes start and train: half a minute or more
-@pytest.mark.parametrize("deepspeed", [None, "configs/deepspeed/zero2.json"])
-def test_two_processes_train_it(tiny_backbone, counting_data, tmp_path, deepspeed):
-    extra = {"deepspeed_config": deepspeed} if deepspeed else {}
-    run = two_processes(tiny_backbone, counting_data, tmp_path / "two", max_steps=4, head_type="eagle3",
-                        share_lm_head="false", **extra)
-    assert "world size 2 (process 0)" in run.stderr and "world size 2 (process 1)" in run.stderr
-    assert ("DeepSpeed ZeRO-2" in run.stderr) == bool(deepspeed)
-    assert isinstance(load_heads(tmp_path / "two" / "heads"), Eagle3Head)
-    history = json.loads((tmp_path / "two" / "history.json").read_text())
-    assert len(history) == 4 and all(math.isfinite(h["loss"]) for h in history)
+@pytest.mark.slow  # three pairs of processes start and train: two minutes
+def test_two_processes_train_it_alone_and_under_deepspeed_zero2_and_zero3(tiny_backbone, counting_data, tmp_path):
+    """The same 4 steps in two processes, plain and under ZeRO-2 and ZeRO-3 (which gathers the drafter's weights
+    wherever its modules are called, its LM head in `project` included): the same losses and trained weights."""
+    runs = {}
+    for name, deepspeed in (("plain", None), ("zero2", "zero2.json"), ("zero3", "zero3.json")):
+        extra = {"deepspeed_config": f"configs/deepspeed/{deepspeed}"} if deepspeed else {}
+        run = two_processes(tiny_backbone, counting_data, tmp_path / name, max_steps=4, head_type="eagle3",
+                            share_lm_head="false", **extra)
+        assert "world size 2 (process 0)" in run.stderr and "world size 2 (process 1)" in run.stderr
+        assert (f"DeepSpeed ZeRO-{name[-1]}" in run.stderr) == bool(deepspeed)
+        history = [h["loss"] for h in json.loads((tmp_path / name / "history.json").read_text())]
+        assert len(history) == 4 and all(math.isfinite(x) for x in history)
+        runs[name] = history, load_heads(tmp_path / name / "heads")
+    initial = untrained_heads(load_backbone(str(tiny_backbone)), "tiny", num_heads=2, head_type="eagle3",
+                              share_lm_head=False).state_dict()
+    plain_history, plain = runs.pop("plain")
+    assert isinstance(plain, Eagle3Head) and not torch.equal(plain.lm_head.weight, initial["lm_head.weight"])
+    for name, (history, heads) in runs.items():
+        assert history == pytest.approx(plain_history, rel=1e-4), name
+        for key, value in plain.state_dict().items():
+            torch.testing.assert_close(heads.state_dict()[key], value, rtol=1e-4, atol=1e-5, msg=f"{name}: {key}")
 
 
 @pytest.fixture
