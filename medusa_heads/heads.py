@@ -44,9 +44,9 @@ class DraftHeads(PreTrainedModel):
     Capabilities:
         head_type: the `MedusaConfig.head_type` this class is (the key in `medusa_heads.head_types.HEAD_TYPES`).
         reads_tokens: it also reads the embeddings of tokens after the hidden state's position.
-        drafts_over_context: it keeps its own view of the whole context (a KV cache of its own), so it drafts
-            static trees only and cannot score an arbitrary path from the last hidden state alone (no dynamic
-            trees, calibration or step profiling).
+        drafts_over_context: it keeps its own view of the whole context (a KV cache of its own), so it cannot
+            score an arbitrary path from the last hidden state alone (no calibration from data or step
+            profiling); it drafts static trees and dynamic ones, depth by depth through its cache.
         trains_with_adapter: it can train beside LoRA adapters on the backbone (Medusa-2).
         can_own_lm_head: it may own its vocabulary projection (`share_lm_head=False`).
         must_own_lm_head: it always owns it (`share_lm_head=True` is an error).

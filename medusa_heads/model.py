@@ -243,7 +243,7 @@ class MedusaModel(nn.Module):
         """Raise a one-line error when `what` needs heads that score any path from the last hidden state."""
         if self.heads.drafts_over_context:
             raise MedusaError(f"{what} needs heads that draft from the last hidden state alone (`--heads`); these are "
-                              f"`{self.heads.head_type}` heads, which draft over the whole context: static trees only.")
+                              f"`{self.heads.head_type}` heads, which draft over the whole context.")
 
     def last_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last hidden state [..., H] of `backbone_forward`'s hidden states: a backbone tapped for an EAGLE-3

@@ -69,10 +69,12 @@ def test_decoding_with_the_eagle_drafter_is_exact(eagle_model, backbone, referen
     assert all(s.steps > 0 for s in stats)
 
 
-def test_the_shipped_eagle_drafter_is_exact_and_accepts(backbone, references):
+@pytest.mark.parametrize("name, options", [("medusa+ngram", {"tree": "eagle-cpu-16"}), ("dynamic", {"budget": 16})])
+def test_the_shipped_eagle_drafter_is_exact_and_accepts(backbone, references, name, options):
+    """On its fitted static tree, and on a tree grown each step from its own confidence (EAGLE-2)."""
     heads = load_heads(SHIPPED_HEADS[EMBEDDED_MODEL].parent / "smollm2-135m-embedded-eagle", dtype=torch.float32)
     shipped = MedusaModel(backbone, heads)
-    drafter = make_drafter(shipped, "medusa+ngram", tree="eagle-cpu-16")
+    drafter = make_drafter(shipped, name, **options)
     stats = assert_exact(shipped, backbone, references[:2], drafter, 64)
     # A random drafter commits about 1 token per forward; the trained one about 2 on these prompts.
     assert sum(s.mean_accepted_length for s in stats) / len(stats) > 1.5
@@ -82,8 +84,6 @@ def test_eagle_drafter_errors(eagle_model, model):
     tree = build_tree(load_tree("cpu-16"))
     with pytest.raises(MedusaError, match="draft from the last hidden state alone"):
         MedusaDrafter(eagle_model, tree)
-    with pytest.raises(MedusaError, match="draft from the last hidden state alone"):
-        make_drafter(eagle_model, "dynamic")
     with pytest.raises(MedusaError, match="needs a drafter over the context"):
         EagleDrafter(model, tree)
     with pytest.raises(MedusaError, match="deep"):

@@ -13,8 +13,10 @@ from safetensors.torch import load_file
 from medusa_heads import Eagle3Head, MedusaConfig, MedusaError, MedusaModel, load_backbone
 from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward, tap_features
 from medusa_heads.eagle3 import default_feature_layers
-from medusa_heads.inference import DecodeState, EagleDrafter, make_drafter
-from medusa_heads.inference.generate import encode_prompt
+from medusa_heads.inference import DecodeState, EagleDrafter, GenerationStats, make_drafter
+from medusa_heads.inference.cache import TreeCache
+from medusa_heads.inference.drafters.dynamic import DynamicDrafter
+from medusa_heads.inference.generate import encode_prompt, prefill
 from medusa_heads.model import load_heads, untrained_heads
 from medusa_heads.training.recipe import TrainConfig
 from medusa_heads.training.trainer import train
@@ -146,6 +148,31 @@ def test_decoding_with_a_random_drafter_is_hf_greedy(tiny, tokenizer, chat_promp
     for prompt in (encode_prompt(tokenizer, p) for p in chat_prompts[:3]):
         drafter = make_drafter(tiny, name, tree=three_deep(tree, tmp_path))
         assert decode(tiny, prompt, drafter, max_new_tokens=48) == hf_greedy(tiny.backbone, prompt, 48)
+
+
+def test_a_dynamic_tree_drafts_what_the_static_fill_drafts_on_that_tree(tiny, tokenizer):
+    """The dynamic tree's drafter entries (each node seeing its ancestors' entries) give, on the tree it grew, the
+    tokens `fill` drafts on that same tree as a static one."""
+    for prompt in ("Why do cats purr?", "Name three rivers in Europe, please."):
+        ids = encode_prompt(tokenizer, prompt)
+        cache = TreeCache(tiny.backbone, 1, ids.shape[1])
+        logits, hidden = (x[0] for x in prefill(tiny, ids.tolist(), cache))
+        root = int(logits.argmax())
+        state = DecodeState(ids[0].tolist() + [root], root, hidden[-1], hidden)
+        draft = DynamicDrafter(tiny, budget=12, top_k=3).propose(state)
+        assert draft.tree.max_depth == 3 and len(set(draft.tree.paths)) == 12 and max(map(max, draft.tree.paths)) > 0
+        assert torch.equal(draft.tokens, EagleDrafter(tiny, draft.tree).fill(state, draft.tree))
+
+
+@pytest.mark.parametrize("name", ["dynamic", "adaptive"])
+def test_decoding_with_a_dynamic_tree_is_hf_greedy(tiny, tokenizer, chat_prompts, name):
+    """Trees grown each step by the drafter over the context: its cache follows the context, and the output is the
+    backbone's."""
+    for prompt in (encode_prompt(tokenizer, p) for p in chat_prompts[:2]):
+        drafter = make_drafter(tiny, name, budget=10)
+        stats = GenerationStats()
+        assert decode(tiny, prompt, drafter, max_new_tokens=32, stats=stats) == hf_greedy(tiny.backbone, prompt, 32)
+        assert stats.steps > 0
 
 
 @pytest.mark.parametrize("cached", [True, False])

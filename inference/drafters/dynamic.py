@@ -1,7 +1,8 @@
 r"""
 Trees grown each step from the heads' confidence (EAGLE-2 style), and a node budget chosen each step.
 
-`DynamicDrafter` expands the tree depth by depth with `MedusaModel.head_topk`: a node's score is its path's
+`DynamicDrafter` expands the tree depth by depth with `MedusaModel.head_topk` (Medusa and Hydra heads) or an
+`EagleDrafter`'s cache (drafters over the context): a node's score is its path's
 log-probability under the heads (the sum along the path), and the tree is the best `budget` nodes of the
 top-k-ary tree as deep as the heads. A child never scores above its parent, so the best n nodes form a tree,
 and the best n of the best N (n <= N) are the best n: one expansion serves every budget up to N.
@@ -25,6 +26,7 @@ from medusa_heads.tree import TreeBuffers, canonical_tree, validate_tree
 from medusa_heads.tree.spec import Path_
 
 from ..draft import Accepted, DecodeState, Draft
+from .eagle import EagleDrafter
 
 DEFAULT_TOP_K = 8
 
@@ -68,6 +70,23 @@ def largest_tree(budget: int, top_k: int, max_depth: int) -> tuple[Path_, ...]:
     return validate_tree(paths) if paths else ()
 
 
+class HeadGuesser:
+    """Medusa and Hydra heads' guesses below a frontier (`MedusaModel.head_topk`), for `DynamicDrafter`; the
+    drafters over the context (`EagleDrafter`) answer the same three calls with their own cache."""
+
+    def __init__(self, model: MedusaModel):
+        self.model = model
+
+    def begin(self, state: DecodeState) -> None:
+        self.hidden = state.hidden
+
+    def topk(self, frontier: torch.Tensor, parent: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.model.head_topk(self.hidden, frontier, k)
+
+    def end(self) -> None:
+        self.hidden = None
+
+
 class DynamicDrafter:
     r"""
     Each step, the `budget` nodes of highest path probability under the heads (EAGLE-2's dynamic tree).
@@ -79,7 +98,6 @@ class DynamicDrafter:
     """
 
     def __init__(self, model: MedusaModel, budget: int = 16, top_k: int = DEFAULT_TOP_K, max_depth: int | None = None):
-        model.require_heads("A dynamic tree")
         heads = model.config.num_heads
         max_depth = heads if max_depth is None else max_depth
         if not 1 <= max_depth <= heads:
@@ -93,6 +111,8 @@ class DynamicDrafter:
         self.model, self.budget, self.top_k = model, budget, top_k
         self.max_depth = min(max_depth, budget)
         self.tree = canonical_tree(largest_tree(budget, top_k, max_depth), model.device)
+        self.guesser = EagleDrafter(model, self.tree) if model.heads.drafts_over_context else HeadGuesser(model)
+        self.per_sequence = getattr(self.guesser, "per_sequence", False)  # a drafter over the context caches it
 
     @torch.no_grad()
     def expand(self, state: DecodeState, budget: int, log_calibration: Sequence[float] | None = None,
@@ -113,10 +133,12 @@ class DynamicDrafter:
         tokens, logprobs, paths = [frontier[:, 0]], [score], [()]
         offsets, child_tokens, child_logprobs = [0], [], []
         found = score[:0]  # the kept nodes' scores, the root excluded
+        parent = torch.zeros(1, dtype=torch.long, device=device)
+        self.guesser.begin(state)
         for d in range(min(budget, self.max_depth)):
             if d and worth_deeper is not None and not worth_deeper(torch.cat(logprobs), float(score[0]), d):
                 break
-            guesses, logp = self.model.head_topk(state.hidden, frontier, self.top_k)  # [N, k]
+            guesses, logp = self.guesser.topk(frontier, parent, self.top_k)  # [N, k]
             child_tokens.append(guesses)
             child_logprobs.append(logp)
             if log_calibration is not None:
@@ -138,6 +160,7 @@ class DynamicDrafter:
             tokens.append(new)
             logprobs.append(score)
             paths += level
+        self.guesser.end()
         logprob = torch.cat(logprobs)
         order = torch.sort(logprob, descending=True, stable=True).indices[: budget + 1].tolist()
         return Candidates(torch.cat(tokens), paths, logprob, order, offsets, child_tokens, child_logprobs)

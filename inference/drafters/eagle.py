@@ -99,3 +99,38 @@ class EagleDrafter:
 
     def propose(self, state: DecodeState) -> Draft:
         return Draft(self.tree, self.fill(state, self.tree))
+
+    # A tree grown depth by depth (`DynamicDrafter`): `begin`, then `topk` once per depth, then `end`.
+
+    def begin(self, state: DecodeState) -> None:
+        device = self.model.device
+        self._feature = self._commit(state)[None]  # [N, H] the frontier's predicted features, the root's first
+        self._above = torch.zeros(1, 0, dtype=torch.long, device=device)  # [N, d - 1] entries of the ancestors
+        self._own = torch.zeros(1, dtype=torch.long, device=device)  # [N] each frontier node's entry (d >= 1)
+        self._drafted = 0
+
+    @torch.no_grad()
+    def topk(self, frontier: torch.Tensor, parent: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`frontier` [N, d + 1]: the tokens from the root to each node of depth d, whose parent is node `parent`
+        [N] of the previous call's frontier -> (the drafter's top-k guesses below each node [N, k], their
+        log-probabilities [N, k]). Each node of depth d >= 1 becomes an entry of the drafter's cache, seeing the
+        context, its ancestors' entries and itself, as in `fill`."""
+        depth, n, device = frontier.shape[1] - 1, frontier.shape[0], frontier.device
+        if depth:
+            above = torch.cat([self._above[parent], self._own[parent, None]], dim=1) if depth > 1 else self._above[parent]
+            seen = torch.zeros(n, self._drafted + n, dtype=torch.bool, device=device)
+            seen.scatter_(1, above, True)
+            seen[:, self._drafted :] = torch.eye(n, dtype=torch.bool, device=device)
+            mask = torch.cat([torch.ones(n, self.committed, dtype=torch.bool, device=device), seen], dim=1)
+            positions = torch.full((1, n), self.committed + depth - 1, device=device)
+            self._feature = self.model.heads(self._feature[parent][None], self.embed(frontier[:, -1])[None],
+                                             positions, mask[None, None], self.cache)[0]
+            self._above, self._own = above, self._drafted + torch.arange(n, device=device)
+            self._drafted += n
+        logprobs = torch.log_softmax(self.model.heads.project(depth, self._feature, self.model.projection).float(), -1)
+        top = logprobs.topk(k)
+        return self.model.heads.token_ids(top.indices), top.values
+
+    def end(self) -> None:
+        if self._drafted:
+            self.cache.crop(-self._drafted)
