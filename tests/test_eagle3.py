@@ -150,6 +150,31 @@ def test_decoding_with_a_random_drafter_is_hf_greedy(tiny, tokenizer, chat_promp
         assert decode(tiny, prompt, drafter, max_new_tokens=48) == hf_greedy(tiny.backbone, prompt, 48)
 
 
+def test_the_aligned_evaluation_layout_is_one_drafting_step_per_entry(tiny, tokenizer):
+    """`eagle_forward(aligned=True)`, the layout of held-out tree walks and calibration counts: entry 0 of level j
+    is the depth-j guess of the step whose root is the token after the prompt."""
+    from medusa_heads.training.trainer import eagle_forward
+
+    cfg = TrainConfig(num_heads=3, head_type="eagle3", share_lm_head=False)
+    for prompt in ("Why do cats purr?", "Name three rivers in Europe, please."):
+        ids = encode_prompt(tokenizer, prompt)
+        cache = TreeCache(tiny.backbone, 1, ids.shape[1])
+        logits, hidden = (x[0] for x in prefill(tiny, ids.tolist(), cache))
+        root = int(logits.argmax())
+        drafted = EagleDrafter(tiny, CHAIN).fill(DecodeState(ids[0].tolist() + [root], root, hidden[-1], hidden),
+                                                 CHAIN)[1:]
+        sequence = torch.cat([ids[0], torch.tensor([root]), drafted])[None]
+        n = ids.shape[1]
+        features = torch.cat([hidden, torch.zeros(sequence.shape[1] - n, hidden.shape[1])])[None]
+        mask = torch.zeros_like(sequence)
+        mask[0, n + 1 :] = 1
+        with torch.no_grad():
+            levels, labels, _ = eagle_forward(tiny.heads, tiny.projection, tiny.backbone.get_input_embeddings(),
+                                              features, sequence, mask, cfg, aligned=True)
+        assert [int(tiny.heads.token_ids(lg[0].argmax())) for lg in levels] == drafted.tolist()
+        assert [int(lb[0]) for lb in labels] == drafted.tolist()  # token ids: no draft vocabulary index given
+
+
 def test_a_dynamic_tree_drafts_what_the_static_fill_drafts_on_that_tree(tiny, tokenizer):
     """The dynamic tree's drafter entries (each node seeing its ancestors' entries) give, on the tree it grew, the
     tokens `fill` drafts on that same tree as a static one."""

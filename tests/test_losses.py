@@ -1,3 +1,4 @@
+import itertools
 import math
 
 import pytest
@@ -5,7 +6,7 @@ import torch
 
 from medusa_heads.inference.acceptance import GreedyAcceptance
 from medusa_heads.inference.draft import Draft
-from medusa_heads.training.losses import head_targets, heads_loss, rank_hits, tree_walk
+from medusa_heads.training.losses import head_targets, heads_loss, rank_hits, tree_walk, walk_hits_counts
 from medusa_heads.tree import build_tree, load_tree
 
 
@@ -120,3 +121,24 @@ def test_tree_weighting_counts_only_where_the_tree_drafts():
     first = -torch.log_softmax(logits[0], -1)[[0, 1], [0, 2]]
     assert torch.allclose(total, first.mean() + math.log(3) / 2)  # head 2 counts at position 0 only
     assert torch.allclose(per_head[1], torch.tensor(math.log(3)))
+
+
+def test_walk_counts_are_the_complete_tree_walk():
+    """Head j is counted where every earlier head's label was within the top-k, which is where the complete
+    top-k-ary tree drafts depth j + 1 below the true path (`tree_walk`); its hits are the label's ranks there."""
+    torch.manual_seed(1)
+    K, N, V, top_k = 3, 400, 5, 2
+    logits = [torch.randn(N, V) for _ in range(K)]
+    labels = [torch.randint(0, V, (N,)) for _ in range(K)]
+    labels[1][:30] = -1  # outside the draft vocabulary: a miss
+    labels[2][30:60] = -100  # past the answer: the walk ends uncounted
+    hits, counts = walk_hits_counts(logits, labels, top_k)
+    complete = [p for d in range(1, K + 1) for p in itertools.product(range(top_k), repeat=d)]
+    tried, accepted = tree_walk(logits, labels, tuple(complete))
+    scored = torch.stack([lb != -100 for lb in labels])
+    assert counts.tolist() == (tried & scored).sum(1).tolist()
+    assert hits.sum(1).tolist() == accepted.sum(1).tolist()
+    for j in range(K):
+        ranks = [int((logits[j][i] > logits[j][i, labels[j][i]]).sum()) for i in range(N) if accepted[j, i]]
+        assert hits[j].tolist() == [ranks.count(r) for r in range(top_k)]
+    assert counts[0] == N and counts[2] < counts[1] < counts[0]

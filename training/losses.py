@@ -132,6 +132,24 @@ def rank_hits(logits: list[torch.Tensor], labels: list[torch.Tensor], top_k: int
     return hits, counts
 
 
+def walk_hits_counts(logits: list[torch.Tensor], labels: list[torch.Tensor],
+                     top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calibration counts from logits aligned per drafting step (entry i of every head is one step): -> (hits
+    [K, top_k], counts [K]), head j counted only where every earlier head had its label within its top_k (the
+    walk of `medusa_heads.apps.calibrate`). Labels -100 end a walk uncounted; -1 (outside the draft vocabulary)
+    count as misses."""
+    hits = torch.zeros(len(logits), top_k, dtype=torch.long)
+    counts = torch.zeros(len(logits), dtype=torch.long)
+    alive = torch.ones(labels[0].shape[0], dtype=torch.bool, device=labels[0].device)
+    for j, (lg, lb) in enumerate(zip(logits, labels)):
+        alive &= lb != -100
+        rank = (lg > lg.gather(-1, lb.clamp(min=0)[:, None])).sum(-1).masked_fill(lb < 0, top_k)
+        counts[j] += int(alive.sum())
+        hits[j] += torch.bincount(rank[alive & (rank < top_k)], minlength=top_k)[:top_k].cpu()
+        alive &= rank < top_k
+    return hits, counts
+
+
 def backbone_kl(student_logits: torch.Tensor, teacher_logits: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Medusa-2's backbone loss: KL(teacher || student) at the positions that predict an assistant token.
 

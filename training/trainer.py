@@ -32,7 +32,8 @@ from medusa_heads.tree import load_tree, validate_tree
 from .data import Example, load_examples
 from .draft_vocab import frequent_tokens
 from .hidden_states import HiddenStateCache, compute_hidden, pad_batch
-from .losses import backbone_kl, draft_labels, follow_embeddings, head_targets, heads_loss, rank_hits, tree_walk
+from .losses import (backbone_kl, draft_labels, follow_embeddings, head_targets, heads_loss, rank_hits, tree_walk,
+                     walk_hits_counts)
 from .recipe import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -74,12 +75,18 @@ def heads_forward(heads, lm_head, embed, hidden, input_ids, loss_mask, cfg: Trai
     return logits, targets, teachers
 
 
-def eagle_forward(drafter, lm_head, embed, hidden, input_ids, loss_mask, cfg: TrainConfig, vocab_index=None):
+def eagle_forward(drafter, lm_head, embed, hidden, input_ids, loss_mask, cfg: TrainConfig, vocab_index=None,
+                  aligned: bool = False):
     """`heads_forward` for an EAGLE drafter, unrolled `cfg.num_heads` draft depths deep ("training-time test"):
     level j at position t predicts x_{t+2} from the backbone's features up to t - j + 1 and its own predicted
     features after them, seeing exactly what it sees when drafting j deep (`unrolled_mask`). Every level is
     scored at the same positions (t >= num_heads - 1, where x_{t+2} is an answer token). `hidden` holds the
-    backbone's features as `backbone_forward` gives them, the last hidden state first (EAGLE-3 reads more layers)."""
+    backbone's features as `backbone_forward` gives them, the last hidden state first (EAGLE-3 reads more layers).
+
+    `aligned` (evaluation): entry i of every level belongs to the same drafting step instead, as in
+    `heads_forward`: level j scores the step whose root is the token after position r at position r + j - 1, so
+    that tree walks and calibration counts follow one step's path (at equal positions, level j's guess belongs
+    to a step j - 1 tokens earlier, and a walk down them would score one token j times)."""
     B, T = input_ids.shape
     raw = getattr(drafter, "module", drafter)  # a DDP module or DeepSpeed engine keeps the drafter as `module`
     n, levels, device = T - 1, cfg.num_heads, input_ids.device  # entry t = (f_t, x_{t+1}), t = 0 .. T - 2
@@ -89,12 +96,25 @@ def eagle_forward(drafter, lm_head, embed, hidden, input_ids, loss_mask, cfg: Tr
     where = torch.zeros(B, n, dtype=torch.bool, device=device)
     where[:, levels - 1 : n - 1] = loss_mask[:, levels + 1 :].bool()
     labels = draft_labels(F.pad(input_ids[:, 2:], (0, 1))[where], vocab_index)
-    cache, logits, out = DynamicCache(), [], None
+    if aligned:
+        roots = torch.zeros(B, n, dtype=torch.bool, device=device)
+        roots[:, : n - 1] = loss_mask[:, 2:].bool()
+        rows, first = roots.nonzero(as_tuple=True)
+        later = F.pad(input_ids[:, 2:], (0, levels)), F.pad(loss_mask[:, 2:], (0, levels)).bool()
+    cache, logits, level_labels, out = DynamicCache(), [], [], None
     for level in range(1, levels + 1):
         features = hidden[:, :-1].to(dtype) if level == 1 else F.pad(out[:, :-1], (0, 0, 1, 0))
         mask = unrolled_mask(level, n, device)[None, None].expand(B, 1, n, level * n)
         out = drafter(features, token_embeds, positions, mask, cache)
-        logits.append(raw.project(level - 1, out[where], lm_head))
+        if not aligned:
+            logits.append(raw.project(level - 1, out[where], lm_head))
+            continue
+        at = first + level - 1
+        logits.append(raw.project(level - 1, out[rows, at.clamp(max=n - 1)], lm_head))
+        scored = (at < n - 1) & later[1][rows, at]
+        level_labels.append(torch.where(scored, draft_labels(later[0][rows, at], vocab_index), -100))
+    if aligned:
+        return logits, level_labels, None
     teachers = None
     if cfg.loss == "kl":
         last = hidden[:, 1:, : raw.config.hidden_size]
@@ -350,10 +370,13 @@ def batch_inputs(run: Run, examples: list[Example], indices: list[int],
     return hidden.to(device), ids.to(device), mask.to(device)
 
 
-def draft_forward(run: Run, heads: nn.Module, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor):
-    """`heads_forward`, or `eagle_forward` for a drafter trained unrolled over the context."""
-    forward = eagle_forward if run.kind.drafts_over_context else heads_forward
-    return forward(heads, run.lm_head, run.embed, hidden, ids, mask, run.cfg, run.vocab_index)
+def draft_forward(run: Run, heads: nn.Module, hidden: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor,
+                  aligned: bool = False):
+    """`heads_forward`, or `eagle_forward` for a drafter trained unrolled over the context (`aligned`: its
+    evaluation layout, one drafting step per entry)."""
+    if run.kind.drafts_over_context:
+        return eagle_forward(heads, run.lm_head, run.embed, hidden, ids, mask, run.cfg, run.vocab_index, aligned)
+    return heads_forward(heads, run.lm_head, run.embed, hidden, ids, mask, run.cfg, run.vocab_index)
 
 
 def draft_loss(run: Run, hidden: torch.Tensor, ids: torch.Tensor,
@@ -418,15 +441,19 @@ def evaluate(run: Run) -> dict:
     run.heads.eval()
     hits = torch.zeros(cfg.num_heads, cfg.top_k, dtype=torch.long)
     counts = torch.zeros(cfg.num_heads, dtype=torch.long)
+    walk_hits, walk_counts = torch.zeros_like(hits), torch.zeros_like(counts)
     steps = committed = 0
     for b in range(0, len(data.held_out), cfg.batch_size):
         idx = list(range(b, min(b + cfg.batch_size, len(data.held_out))))
         hidden, ids, mask = batch_inputs(run, data.held_out, idx, run.held_cache)
         with run.accelerator.autocast():
-            logits, targets, _ = draft_forward(run, run.raw_heads, hidden, ids, mask)
+            logits, targets, _ = draft_forward(run, run.raw_heads, hidden, ids, mask, aligned=True)
         h, c = rank_hits(logits, targets, cfg.top_k)
         hits += h
         counts += c
+        h, c = walk_hits_counts(logits, targets, cfg.top_k)
+        walk_hits += h
+        walk_counts += c
         if data.tree_paths is not None:
             roots = targets[0] != -100  # a step's root: the token after it is an answer token
             _, accepted = tree_walk(logits, targets, data.tree_paths)
@@ -434,10 +461,13 @@ def evaluate(run: Run) -> dict:
             committed += int(roots.sum()) + int(accepted[:, roots].sum())
     run.heads.train()
     per_rank = (hits.double() / counts.clamp(min=1)[:, None].double()).tolist()
-    # `top_k`, `positions` and `hits` are also calibration counts: `tree optimize --calibration` reads them
     return {"num_heads": cfg.num_heads, "top_k": cfg.top_k, "positions": counts.tolist(), "hits": hits.tolist(),
             "per_rank": per_rank,  # [head][rank]: share of positions whose label sat at that rank
             "top1": [r[0] for r in per_rank], "top5": [sum(r[:5]) for r in per_rank],
+            # what `tree optimize --calibration` reads: head j counted only where heads 1..j-1 had the truth in
+            # their top_k (P(rank r accepted | parent accepted), the counts of `medusa_heads.apps.calibrate`)
+            "calibration": {"top_k": cfg.top_k, "positions": walk_counts.tolist(), "hits": walk_hits.tolist(),
+                            "conversations": len(data.held_out)},
             # greedy verification of `tree` replayed on the held-out answers: tokens per step
             **({"tree": cfg.tree, "tree_accepted_length": committed / max(steps, 1)} if data.tree_paths else {})}
 
