@@ -95,12 +95,13 @@ def eagle_forward(drafter, lm_head, embed, hidden, input_ids, loss_mask, cfg: Tr
     positions = torch.arange(n, device=device).expand(B, n)
     where = torch.zeros(B, n, dtype=torch.bool, device=device)
     where[:, levels - 1 : n - 1] = loss_mask[:, levels + 1 :].bool()
-    labels = draft_labels(F.pad(input_ids[:, 2:], (0, 1))[where], vocab_index)
     if aligned:
         roots = torch.zeros(B, n, dtype=torch.bool, device=device)
         roots[:, : n - 1] = loss_mask[:, 2:].bool()
         rows, first = roots.nonzero(as_tuple=True)
         later = F.pad(input_ids[:, 2:], (0, levels)), F.pad(loss_mask[:, 2:], (0, levels)).bool()
+    else:
+        labels = draft_labels(F.pad(input_ids[:, 2:], (0, 1))[where], vocab_index)
     cache, logits, level_labels, out = DynamicCache(), [], [], None
     for level in range(1, levels + 1):
         features = hidden[:, :-1].to(dtype) if level == 1 else F.pad(out[:, :-1], (0, 0, 1, 0))
