@@ -114,7 +114,7 @@ class ScriptedHeads:
 
     def __init__(self, model, prompt_len, reference, mode):
         self.config, self.device, self.backbone = model.config, model.device, model.backbone
-        self.require_heads = model.require_heads
+        self.heads = model.heads  # Medusa heads: DynamicDrafter asks `head_topk` below
         self.prompt_len, self.reference, self.mode = prompt_len, reference, mode
         self.done = 0
 

@@ -112,6 +112,8 @@ BAD_VALUES = [
     ("deepspeed_config", {"medusa2": True, "cache_hidden_states": False, "deepspeed_config": "ds.json"}),
     ("report_to", {"report_to": " "}),
     ("quantize", {"quantize": "fp8"}), ("init_heads", {"init_heads": ""}),
+    ("feature_layers", {"feature_layers": "1"}),  # medusa heads read one layer
+    ("feature_layers", {"head_type": "eagle3", "share_lm_head": False, "feature_layers": "2,x"}),
     # wrong types, from a recipe, the command line or Python
     ("max_steps", {"max_steps": "many"}), ("max_steps", {"max_steps": 2.5}), ("num_heads", {"num_heads": True}),
     ("share_lm_head", {"share_lm_head": "maybe"}), ("learning_rate", {"learning_rate": None}),
