@@ -49,7 +49,7 @@ FOLLOW_UPS = [
 
 
 class Novelty:
-    """Counts which 4-word sequences have been seen; `is_new` says whether under half of a text's were."""
+    """The 4-word sequences seen so far and the banned ones; `admit` keeps a text under half of whose were seen."""
 
     def __init__(self, seen_texts: list[str], banned_texts: list[str]):
         self.seen = set().union(*(shingles(t) for t in seen_texts)) if seen_texts else set()

@@ -64,6 +64,19 @@ class EagleDrafter:
         self.committed = root_position
         return out[0, -1]
 
+    def _draft_entries(self, features: torch.Tensor, tokens: torch.Tensor, above: torch.Tensor, drafted: int,
+                       depth: int) -> torch.Tensor:
+        """Append one entry per node of depth `depth` (its parent's predicted feature [N, H], its token [N]) to the
+        cache after the `drafted` speculative ones; each sees the context, its ancestors' entries `above` [N, d - 1]
+        and itself -> the outputs [N, H]."""
+        n, device = tokens.numel(), tokens.device
+        seen = torch.zeros(n, drafted + n, dtype=torch.bool, device=device)
+        seen.scatter_(1, above, True)
+        seen[:, drafted:] = torch.eye(n, dtype=torch.bool, device=device)
+        mask = torch.cat([torch.ones(n, self.committed, dtype=torch.bool, device=device), seen], dim=1)
+        positions = torch.full((1, n), self.committed + depth - 1, device=device)
+        return self.model.heads(features[None], self.embed(tokens)[None], positions, mask[None, None], self.cache)[0]
+
     @torch.no_grad()
     def fill(self, state: DecodeState, tree: TreeBuffers) -> torch.Tensor:
         """Tokens [T] for `tree`'s nodes (as `MedusaDrafter.fill`: others' branches get placeholders)."""
@@ -74,20 +87,14 @@ class EagleDrafter:
                                 device=device)
         predicted[0] = self._commit(state)
         entry = torch.full((tree.size,), -1, dtype=torch.long, device=device)  # node -> its speculative entry
-        context, drafted = self.committed, 0
+        drafted = 0
         for depth, step in enumerate(depth_plan(tree.paths, self.tree.top_k, str(device))):
             parents = step.ancestors[:, -1]
             if depth > 0:
                 n = parents.numel()
-                seen = torch.zeros(n, drafted + n, dtype=torch.bool, device=device)
-                for above in step.ancestors[:, 1:-1].T:  # the entries of ancestors at depths 1..depth-1
-                    seen[torch.arange(n, device=device), entry[above]] = True
-                seen[:, drafted:] = torch.eye(n, dtype=torch.bool, device=device)
-                mask = torch.cat([torch.ones(n, context, dtype=torch.bool, device=device), seen], dim=1)
-                positions = torch.full((1, n), context + depth - 1, device=device)
-                predicted[parents] = self.model.heads(predicted[step.ancestors[:, -2]][None],
-                                                      self.embed(tokens[parents])[None], positions,
-                                                      mask[None, None], self.cache)[0]
+                above = entry[step.ancestors[:, 1:-1]]  # the entries of ancestors at depths 1..depth-1
+                predicted[parents] = self._draft_entries(predicted[step.ancestors[:, -2]], tokens[parents], above,
+                                                         drafted, depth)
                 entry[parents] = drafted + torch.arange(n, device=device)
                 drafted += n
             logits = self.model.heads.project(depth, predicted[parents], self.model.projection)
@@ -118,13 +125,7 @@ class EagleDrafter:
         depth, n, device = frontier.shape[1] - 1, frontier.shape[0], frontier.device
         if depth:
             above = torch.cat([self._above[parent], self._own[parent, None]], dim=1) if depth > 1 else self._above[parent]
-            seen = torch.zeros(n, self._drafted + n, dtype=torch.bool, device=device)
-            seen.scatter_(1, above, True)
-            seen[:, self._drafted :] = torch.eye(n, dtype=torch.bool, device=device)
-            mask = torch.cat([torch.ones(n, self.committed, dtype=torch.bool, device=device), seen], dim=1)
-            positions = torch.full((1, n), self.committed + depth - 1, device=device)
-            self._feature = self.model.heads(self._feature[parent][None], self.embed(frontier[:, -1])[None],
-                                             positions, mask[None, None], self.cache)[0]
+            self._feature = self._draft_entries(self._feature[parent], frontier[:, -1], above, self._drafted, depth)
             self._above, self._own = above, self._drafted + torch.arange(n, device=device)
             self._drafted += n
         logprobs = torch.log_softmax(self.model.heads.project(depth, self._feature, self.model.projection).float(), -1)
