@@ -572,6 +572,9 @@ def save_results(run: Run, history: list[dict], accuracies: dict | None, tokens_
             (final / "head_accuracies.json").write_text(json.dumps(accuracies, indent=1))
         (output_dir / "history.json").write_text(json.dumps(history))
         logger.info("saved heads to %s", final)
+    # Every process tears the world down together: one that leaves while process 0 still writes can abort
+    # in gloo's teardown (seen under ZeRO-3).
+    accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
 
