@@ -9,7 +9,7 @@ from .drafters.draft_model import DraftModelDrafter, EarlyExitDrafter
 from .drafters.dynamic import AdaptiveDrafter, DynamicDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.heads import MedusaDrafter
-from .drafters.ngram import MedusaNgramDrafter, NgramDrafter, ngram_lookup
+from .drafters.ngram import DynamicNgramDrafter, MedusaNgramDrafter, NgramDrafter, ngram_lookup
 from .generate import Generation, GenerationStats, Request, decode, generate, generate_batch, generate_ids, stream
 from .registry import ACCEPTANCE_RULES, DRAFTERS, heads_drafter, make_acceptance, make_drafter, make_drafters
 from .sampling import Warper
@@ -24,6 +24,7 @@ __all__ = [
     "DraftModelDrafter",
     "Drafter",
     "DynamicDrafter",
+    "DynamicNgramDrafter",
     "EagleDrafter",
     "EarlyExitDrafter",
     "ExactAcceptance",

@@ -26,7 +26,7 @@ from .drafters.draft_model import DraftModelDrafter, EarlyExitDrafter
 from .drafters.dynamic import AdaptiveDrafter, DynamicDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.heads import MedusaDrafter
-from .drafters.ngram import MedusaNgramDrafter, NgramDrafter
+from .drafters.ngram import DynamicNgramDrafter, MedusaNgramDrafter, NgramDrafter
 from .drafters.plain import PlainDrafter
 
 DEFAULT_TREE = "cpu-8"
@@ -89,11 +89,25 @@ def _heads(model: MedusaModel, tree: str = DEFAULT_TREE) -> Drafter:
     return heads_drafter(model, build_tree(load_tree(tree), model.device))
 
 
-def _heads_ngram(store: bool) -> Callable[..., Drafter]:
-    def build(model: MedusaModel, tree: str = DEFAULT_TREE, draft_length: int = 6) -> Drafter:
-        return MedusaNgramDrafter(_heads(model, tree), ngram_length=draft_length,
-                                  store=heads_store(model) if store else None)
-    return build
+def _dynamic(model: MedusaModel, budget: int = 16) -> Drafter:
+    return DynamicDrafter(model, budget)
+
+
+def _plus_ngram(base: str, what: str, shape: str, inner: Callable[..., Drafter], chained: Callable[..., Drafter]
+                ) -> dict[str, DrafterSpec]:
+    """`BASE+ngram` and `BASE+ngram+store`: the drafter `inner(model, **{shape: ...})` plus the n-gram chain
+    (`chained`), the chain from the context alone or, failing that, from the heads' n-gram store."""
+    def build(store: bool) -> Callable[..., Drafter]:
+        def make(model: MedusaModel, draft_length: int = 6, **shape_option) -> Drafter:
+            return chained(inner(model, **shape_option), ngram_length=draft_length,
+                           store=heads_store(model) if store else None)
+        return make
+    return {
+        f"{base}+ngram": DrafterSpec(f"{what} plus a prompt-lookup chain, verified in the same forward", build(False),
+                                     (shape, "draft_length")),
+        f"{base}+ngram+store": DrafterSpec(f"as {base}+ngram, the chain drafted from the heads' n-gram store when "
+                                           "the context has no match", build(True), (shape, "draft_length")),
+    }
 
 
 def _draft_model(model: MedusaModel, draft_model, draft_length: int = 4) -> Drafter:
@@ -104,12 +118,7 @@ def _draft_model(model: MedusaModel, draft_model, draft_length: int = 4) -> Draf
 
 DRAFTERS: dict[str, DrafterSpec] = {
     "medusa": DrafterSpec("the heads' top-k guesses fill a static tree", _heads, ("tree",)),
-    "medusa+ngram": DrafterSpec(
-        "the heads' tree plus a prompt-lookup chain, verified in the same forward", _heads_ngram(store=False),
-        ("tree", "draft_length")),
-    "medusa+ngram+store": DrafterSpec(
-        "as medusa+ngram, the chain drafted from the heads' n-gram store when the context has no match",
-        _heads_ngram(store=True), ("tree", "draft_length")),
+    **_plus_ngram("medusa", "the heads' tree", "tree", _heads, MedusaNgramDrafter),
     "ngram": DrafterSpec("prompt lookup alone, as a chain", lambda model, draft_length=6: NgramDrafter(
         draft_length, device=model.device), ("draft_length",), uses_heads=False),
     "draft-model": DrafterSpec("a small LM with the backbone's tokenizer drafts a chain", _draft_model,
@@ -118,8 +127,9 @@ DRAFTERS: dict[str, DrafterSpec] = {
                               lambda model, exit_layer, draft_length=4: EarlyExitDrafter(model, exit_layer,
                                                                                          draft_length),
                               ("exit_layer", "draft_length"), ("exit_layer",), uses_heads=False),
-    "dynamic": DrafterSpec("a tree grown each step from the heads' confidence (default 16 nodes)",
-                           lambda model, budget=16: DynamicDrafter(model, budget), ("budget",)),
+    "dynamic": DrafterSpec("a tree grown each step from the heads' confidence (default 16 nodes)", _dynamic,
+                           ("budget",)),
+    **_plus_ngram("dynamic", "the dynamic tree", "budget", _dynamic, DynamicNgramDrafter),
     "adaptive": DrafterSpec("a dynamic tree whose size is chosen each step (up to 32 nodes by default)",
                             lambda model, budget=32: AdaptiveDrafter(model, budget), ("budget",)),
     "plain": DrafterSpec("no drafts: one token per forward (the baseline)", lambda model: PlainDrafter(model.device),

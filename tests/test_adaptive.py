@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from medusa_heads import MedusaError
-from medusa_heads.apps.bench import make_methods, markdown, summarize
-from medusa_heads.inference import (AdaptiveDrafter, DecodeState, DynamicDrafter, GenerationStats, MedusaDrafter,
-                                    make_drafter)
+from medusa_heads.apps.bench import make_methods, markdown, parse_drafter_method, summarize
+from medusa_heads.inference import (AdaptiveDrafter, DecodeState, DynamicDrafter, DynamicNgramDrafter,
+                                    GenerationStats, MedusaDrafter, make_drafter)
 from medusa_heads.inference.drafters.dynamic import interpolated_cost, relative_costs
+from medusa_heads.inference.drafters.ngram import ngram_lookup
 from medusa_heads.inference.generate import encode_prompt
 from medusa_heads.tree import build_tree, load_tree, validate_tree
 
@@ -39,6 +40,26 @@ def test_dynamic_drafter_is_exact(model, backbone, references):
     for stats in all_stats:
         assert_consistent(stats)
     assert max(s.mean_accepted_length for s in all_stats) > 1.2
+
+
+def test_the_ngram_chain_joins_the_dynamic_tree_as_one_more_branch(model, tokenizer):
+    ids = encode_prompt(tokenizer, "Say red blue green, then red blue green again.")[0].tolist()
+    state = DecodeState(ids + ids[-3:-1], ids[-2], torch.randn(model.config.hidden_size))
+    dynamic = DynamicDrafter(model, budget=8)
+    grown = dynamic.propose(state)
+    draft = DynamicNgramDrafter(dynamic, ngram_length=4).propose(state)
+    validate_tree(list(draft.tree.paths))
+    assert list(draft.tree.paths) == sorted(draft.tree.paths, key=lambda p: (len(p), p))  # canonical order
+    by_path = dict(zip(((),) + draft.tree.paths, draft.tokens.tolist()))
+    assert all(by_path[p] == t for p, t in zip(((),) + grown.tree.paths, grown.tokens.tolist()))
+    follow = ngram_lookup(state.token_ids, 4)
+    assert follow and [by_path[(dynamic.top_k,) + (0,) * d] for d in range(len(follow))] == follow
+    assert draft.tree.size == grown.tree.size + len(follow) <= make_drafter(model, "dynamic+ngram", budget=8).tree.size
+
+
+def test_dynamic_plus_ngram_is_exact(model, backbone, references):
+    stats = assert_exact(model, backbone, references[:3], DynamicNgramDrafter(DynamicDrafter(model, 12)), NEW_TOKENS)
+    assert max(s.mean_accepted_length for s in stats) > 1.2
 
 
 def test_adaptive_drafter_is_exact(model, backbone, references):
@@ -188,7 +209,10 @@ def test_costs():
 def test_make_drafter_and_bench_methods(model):
     assert make_drafter(model, "dynamic", budget=8).tree.size == 9
     assert make_drafter(model, "adaptive").tree.size == 33
+    assert make_drafter(model, "dynamic+ngram", budget=8, draft_length=3).tree.size == 12  # the chain beside
     assert list(make_methods(["dynamic:16", "adaptive", "adaptive:8"])) == ["hf", "dynamic:16", "adaptive", "adaptive:8"]
+    assert parse_drafter_method("dynamic+ngram+store:24:8") == ("dynamic+ngram+store", {"budget": 24, "draft_length": 8},
+                                                                 None)
     with pytest.raises(MedusaError, match="positive integer"):
         make_methods(["dynamic:x"])
 

@@ -27,6 +27,7 @@ def decode_all(model, requests, eos=()) -> list[list[int]]:
     ("medusa+ngram", {"tree": "cpu-8"}),  # the heads' tree, with the n-gram chain when something matches
     ("ngram", {"draft_length": 4}),  # chains of varying length
     ("dynamic", {"budget": 12}),  # a new tree every step
+    ("dynamic+ngram", {"budget": 8}),  # ... and the n-gram chain beside it when something matches
 ])
 def test_each_sequence_of_a_batch_is_hf_greedy_alone(model, backbone, references, name, options):
     drafters = make_drafters(model, name, len(BUDGETS), **options)

@@ -69,9 +69,11 @@ def test_decoding_with_the_eagle_drafter_is_exact(eagle_model, backbone, referen
     assert all(s.steps > 0 for s in stats)
 
 
-@pytest.mark.parametrize("name, options", [("medusa+ngram", {"tree": "eagle-cpu-16"}), ("dynamic", {"budget": 16})])
+@pytest.mark.parametrize("name, options", [("medusa+ngram", {"tree": "eagle-cpu-16"}), ("dynamic", {"budget": 16}),
+                                           ("dynamic+ngram+store", {"budget": 16})])
 def test_the_shipped_eagle_drafter_is_exact_and_accepts(backbone, references, name, options):
-    """On its fitted static tree, and on a tree grown each step from its own confidence (EAGLE-2)."""
+    """On its fitted static tree, and on a tree grown each step from its own confidence (EAGLE-2), alone or beside
+    the n-gram chain (from the context or the drafter's n-gram store)."""
     heads = load_heads(SHIPPED_HEADS[EMBEDDED_MODEL].parent / "smollm2-135m-embedded-eagle", dtype=torch.float32)
     shipped = MedusaModel(backbone, heads)
     drafter = make_drafter(shipped, name, **options)

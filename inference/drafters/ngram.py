@@ -7,9 +7,10 @@ import torch
 
 from medusa_heads.errors import MedusaError
 from medusa_heads.ngram_store import NgramStore
-from medusa_heads.tree import TreeBuffers, build_tree, chain_tree
+from medusa_heads.tree import TreeBuffers, build_tree, canonical_tree, chain_tree
 
 from ..draft import DecodeState, Draft
+from .dynamic import DynamicDrafter
 
 
 class TreeFiller(Protocol):
@@ -36,6 +37,15 @@ def ngram_lookup(token_ids: list[int], length: int, max_ngram: int = 4, min_ngra
                 if follow:
                     return follow
     return []
+
+
+def chain_follow(state: DecodeState, length: int, max_ngram: int, min_ngram: int,
+                 store: NgramStore | None) -> list[int]:
+    """The n-gram chain's tokens: prompt lookup, else the store's continuation (if a store is given), else []."""
+    follow = ngram_lookup(state.token_ids, length, max_ngram, min_ngram)
+    if not follow and store is not None:
+        follow = store.continuation(state.token_ids, length)
+    return follow
 
 
 class MedusaNgramDrafter:
@@ -68,9 +78,7 @@ class MedusaNgramDrafter:
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Draft:
-        follow = ngram_lookup(state.token_ids, self.ngram_length, self.max_ngram, self.min_ngram)
-        if not follow and self.store is not None:
-            follow = self.store.continuation(state.token_ids, self.ngram_length)
+        follow = chain_follow(state, self.ngram_length, self.max_ngram, self.min_ngram, self.store)
         if not follow:
             return self.heads.propose(state)
         tree = self.tree
@@ -98,3 +106,34 @@ class NgramDrafter:
         follow = follow or [state.root]
         tokens = torch.tensor([state.root] + follow, device=self.device)
         return Draft(chain_tree(len(follow), self.device), tokens)
+
+
+class DynamicNgramDrafter:
+    r"""
+    A dynamic tree (`DynamicDrafter`, grown anew each step) plus the n-gram chain as one more branch from the root,
+    verified in the same forward: the chain's nodes take a rank no grown node has, and the tree is rebuilt each
+    step in canonical order (by depth, then path). The chain comes from prompt lookup, else from `store`.
+    """
+
+    def __init__(self, dynamic: DynamicDrafter, ngram_length: int = 6, max_ngram: int = 4, min_ngram: int = 2,
+                 store: NgramStore | None = None):
+        if ngram_length < 1:
+            raise MedusaError(f"The n-gram chain needs at least 1 token, got {ngram_length}.")
+        self.dynamic = dynamic
+        self.chain = [tuple([dynamic.top_k] + [0] * d) for d in range(ngram_length)]
+        self.tree = build_tree(list(dynamic.tree.paths) + self.chain, dynamic.model.device)  # the largest one
+        self.ngram_length, self.max_ngram, self.min_ngram = ngram_length, max_ngram, min_ngram
+        self.store = store
+        self.per_sequence = dynamic.per_sequence
+
+    @torch.no_grad()
+    def propose(self, state: DecodeState) -> Draft:
+        draft = self.dynamic.propose(state)
+        follow = chain_follow(state, self.ngram_length, self.max_ngram, self.min_ngram, self.store)
+        if not follow:
+            return draft
+        paths = list(draft.tree.paths) + self.chain[: len(follow)]
+        tokens = draft.tokens.tolist() + follow
+        order = sorted(range(len(paths)), key=lambda i: (len(paths[i]), paths[i]))
+        tree = canonical_tree(tuple(paths[i] for i in order), draft.tokens.device)
+        return Draft(tree, torch.tensor([tokens[0]] + [tokens[i + 1] for i in order], device=draft.tokens.device))
