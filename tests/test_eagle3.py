@@ -175,26 +175,33 @@ def test_the_aligned_evaluation_layout_is_one_drafting_step_per_entry(tiny, toke
         assert [int(lb[0]) for lb in labels] == drafted.tolist()  # token ids: no draft vocabulary index given
 
 
-def test_a_dynamic_tree_drafts_what_the_static_fill_drafts_on_that_tree(tiny, tokenizer):
+@pytest.mark.parametrize("top_k, depth", [(3, None), (1, 6)])
+def test_a_dynamic_tree_drafts_what_the_static_fill_drafts_on_that_tree(tiny, tokenizer, top_k, depth):
     """The dynamic tree's drafter entries (each node seeing its ancestors' entries) give, on the tree it grew, the
-    tokens `fill` drafts on that same tree as a static one."""
+    tokens `fill` drafts on that same tree as a static one; also below the depths it was trained for (a chain of
+    6 from a drafter unrolled 3 deep: it drafts autoregressively)."""
     for prompt in ("Why do cats purr?", "Name three rivers in Europe, please."):
         ids = encode_prompt(tokenizer, prompt)
         cache = TreeCache(tiny.backbone, 1, ids.shape[1])
         logits, hidden = (x[0] for x in prefill(tiny, ids.tolist(), cache))
         root = int(logits.argmax())
         state = DecodeState(ids[0].tolist() + [root], root, hidden[-1], hidden)
-        draft = DynamicDrafter(tiny, budget=12, top_k=3).propose(state)
-        assert draft.tree.max_depth == 3 and len(set(draft.tree.paths)) == 12 and max(map(max, draft.tree.paths)) > 0
-        assert torch.equal(draft.tokens, EagleDrafter(tiny, draft.tree).fill(state, draft.tree))
+        budget = 12 if depth is None else depth
+        draft = DynamicDrafter(tiny, budget=budget, top_k=top_k, max_depth=depth).propose(state)
+        assert draft.tree.max_depth == (depth or 3) and len(set(draft.tree.paths)) == budget
+        assert top_k == 1 or max(map(max, draft.tree.paths)) > 0
+        assert torch.equal(draft.tokens, EagleDrafter(tiny, draft.tree, depth).fill(state, draft.tree))
+    if depth:
+        with pytest.raises(MedusaError, match="trained for 3"):  # a static tree deeper than the training: a mistake
+            EagleDrafter(tiny, draft.tree)
 
 
-@pytest.mark.parametrize("name", ["dynamic", "adaptive"])
+@pytest.mark.parametrize("name", ["dynamic", "adaptive", "deeper"])
 def test_decoding_with_a_dynamic_tree_is_hf_greedy(tiny, tokenizer, chat_prompts, name):
     """Trees grown each step by the drafter over the context: its cache follows the context, and the output is the
-    backbone's."""
+    backbone's; `deeper`: trees up to 6 deep from a drafter unrolled 3 deep in training."""
     for prompt in (encode_prompt(tokenizer, p) for p in chat_prompts[:2]):
-        drafter = make_drafter(tiny, name, budget=10)
+        drafter = DynamicDrafter(tiny, 10, max_depth=6) if name == "deeper" else make_drafter(tiny, name, budget=10)
         stats = GenerationStats()
         assert decode(tiny, prompt, drafter, max_new_tokens=32, stats=stats) == hf_greedy(tiny.backbone, prompt, 32)
         assert stats.steps > 0

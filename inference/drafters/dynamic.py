@@ -94,14 +94,18 @@ class DynamicDrafter:
     Args:
         budget: drafted nodes per step, the root not counted; 0 is plain decoding.
         top_k: children considered per node (its rank in the tree is its place among them).
-        max_depth: at most the number of heads (the default).
+        max_depth: by default the number of heads; with Medusa or Hydra heads at most that (one head a depth),
+            with a drafter over the context (EAGLE, EAGLE-3) any depth up to the budget (it drafts autoregressively).
     """
 
     def __init__(self, model: MedusaModel, budget: int = 16, top_k: int = DEFAULT_TOP_K, max_depth: int | None = None):
         heads = model.config.num_heads
         max_depth = heads if max_depth is None else max_depth
-        if not 1 <= max_depth <= heads:
-            raise MedusaError(f"A dynamic tree can be 1 to {heads} deep (the heads), not {max_depth}.")
+        over_context = model.heads.drafts_over_context
+        deepest = max(budget, heads) if over_context else heads
+        if not 1 <= max_depth <= deepest:
+            raise MedusaError(f"A dynamic tree can be 1 to {deepest} deep "
+                              f"({'the budget' if over_context else 'the heads'}), not {max_depth}.")
         if top_k < 1:
             raise MedusaError(f"A dynamic tree needs top_k >= 1 children per node, got {top_k}.")
         room = sum(top_k ** d for d in range(1, max_depth + 1))
@@ -111,7 +115,7 @@ class DynamicDrafter:
         self.model, self.budget, self.top_k = model, budget, top_k
         self.max_depth = min(max_depth, budget)
         self.tree = canonical_tree(largest_tree(budget, top_k, max_depth), model.device)
-        self.guesser = EagleDrafter(model, self.tree) if model.heads.drafts_over_context else HeadGuesser(model)
+        self.guesser = EagleDrafter(model, self.tree, max_depth) if over_context else HeadGuesser(model)
         self.per_sequence = getattr(self.guesser, "per_sequence", False)  # a drafter over the context caches it
 
     @torch.no_grad()

@@ -27,11 +27,14 @@ class EagleDrafter:
 
     per_sequence = True  # its cache follows one sequence
 
-    def __init__(self, model: MedusaModel, tree: TreeBuffers):
+    def __init__(self, model: MedusaModel, tree: TreeBuffers, max_depth: int | None = None):
         if not model.heads.drafts_over_context:
             raise MedusaError(f"EagleDrafter needs a drafter over the context (`head_type: eagle`), not "
                               f"`{model.heads.head_type}` heads.")
-        if tree.max_depth > model.config.num_heads:
+        # The drafter runs the same layer at every depth, so any depth works; a static tree deeper than the depths
+        # it was trained for is a mistake, a grown one (`max_depth`) goes there only where it is confident.
+        max_depth = model.config.num_heads if max_depth is None else max_depth
+        if tree.max_depth > max_depth:
             raise MedusaError(f"The tree is {tree.max_depth} deep but the drafter was trained for "
                               f"{model.config.num_heads}: choose a shallower tree.")
         self.model = model
