@@ -6,7 +6,7 @@ import torch
 
 from medusa_heads.inference.acceptance import GreedyAcceptance
 from medusa_heads.inference.draft import Draft
-from medusa_heads.training.losses import head_targets, heads_loss, rank_hits, tree_walk, walk_hits_counts
+from medusa_heads.training.losses import decoded_steps, head_targets, heads_loss, rank_hits, tree_walk, walk_hits_counts
 from medusa_heads.tree import build_tree, load_tree
 
 
@@ -142,3 +142,15 @@ def test_walk_counts_are_the_complete_tree_walk():
         ranks = [int((logits[j][i] > logits[j][i, labels[j][i]]).sum()) for i in range(N) if accepted[j, i]]
         assert hits[j].tolist() == [ranks.count(r) for r in range(top_k)]
     assert counts[0] == N and counts[2] < counts[1] < counts[0]
+
+
+def test_decoded_steps_by_hand():
+    """Two rows: one answer of 5 roots, one of two answers (3 and 2 roots). Each answer's first root is the prefill's
+    token; steps start at the second and jump ahead by what they commit."""
+    roots = torch.zeros(2, 10, dtype=torch.bool)
+    roots[0, 2:7] = True
+    roots[1, 1:4] = True
+    roots[1, 6:8] = True
+    lengths = torch.tensor([9, 3, 9, 9, 1, 9, 2, 9, 9, 1])
+    # row 0: steps at roots 1 (3 tokens) and 4 (1); row 1, first answer: root 1 (2); second answer: root 1 (1)
+    assert decoded_steps(roots, lengths) == (4 + 2 + 1, 4)

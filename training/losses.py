@@ -66,6 +66,31 @@ def tree_walk(logits: list[torch.Tensor], labels: list[torch.Tensor],
     return torch.stack(tried), torch.stack(accepted)
 
 
+def decoded_steps(roots: torch.Tensor, lengths: torch.Tensor) -> tuple[int, int]:
+    r"""
+    Greedy tree decoding replayed on known answers -> (tokens committed, steps).
+
+    `roots` [B, T]: the positions a step can start from (the token two ahead is an answer token); `lengths`: the
+    tokens a step from each of them commits (1 + the accepted depth, `tree_walk`), in row-major order. A run of
+    consecutive roots is one answer: its first token comes from the prefill, so decoding starts at the run's
+    second root and each step moves on by what it committed. The mean of `lengths` over all roots would count
+    every position of an easy stretch, which decoding crosses in a few long steps, and overstate tokens per step.
+    """
+    tokens = steps = 0
+    lengths = lengths.tolist()
+    done = 0
+    for positions in (row.nonzero().flatten().tolist() for row in roots):
+        breaks = [i for i in range(1, len(positions)) if positions[i] != positions[i - 1] + 1]
+        for start, end in zip([0] + breaks, breaks + [len(positions)]):
+            run, t = lengths[done + start : done + end], 1
+            while t < len(run):
+                steps += 1
+                t += run[t]
+            tokens += len(run) - 1
+        done += len(positions)
+    return tokens, steps
+
+
 def heads_loss(logits: list[torch.Tensor], labels: list[torch.Tensor], decay: float = 0.8, kind: str = "ce",
                teacher_logits: list[torch.Tensor] | None = None, weighting: str = "decay",
                tree_paths: tuple | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:

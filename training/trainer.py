@@ -32,8 +32,8 @@ from medusa_heads.tree import load_tree, validate_tree
 from .data import Example, load_examples
 from .draft_vocab import frequent_tokens
 from .hidden_states import HiddenStateCache, compute_hidden, pad_batch
-from .losses import (backbone_kl, draft_labels, follow_embeddings, head_targets, heads_loss, rank_hits, tree_walk,
-                     walk_hits_counts)
+from .losses import (backbone_kl, decoded_steps, draft_labels, follow_embeddings, head_targets, heads_loss,
+                     rank_hits, tree_walk, walk_hits_counts)
 from .recipe import TrainConfig
 
 logger = logging.getLogger(__name__)
@@ -456,10 +456,13 @@ def evaluate(run: Run) -> dict:
         walk_hits += h
         walk_counts += c
         if data.tree_paths is not None:
-            roots = targets[0] != -100  # a step's root: the token after it is an answer token
             _, accepted = tree_walk(logits, targets, data.tree_paths)
-            steps += int(roots.sum())
-            committed += int(roots.sum()) + int(accepted[:, roots].sum())
+            roots = targets[0] != -100  # the entries of steps: the token two ahead is an answer token
+            grid = torch.zeros_like(mask, dtype=torch.bool)  # the same positions, [B, T]
+            grid[:, :-2] = mask[:, 2:].bool()
+            tokens, n = decoded_steps(grid, 1 + accepted[:, roots].sum(0))
+            committed += tokens
+            steps += n
     run.heads.train()
     per_rank = (hits.double() / counts.clamp(min=1)[:, None].double()).tolist()
     return {"num_heads": cfg.num_heads, "top_k": cfg.top_k, "positions": counts.tolist(), "hits": hits.tolist(),
@@ -469,7 +472,7 @@ def evaluate(run: Run) -> dict:
             # their top_k (P(rank r accepted | parent accepted), the counts of `medusa_heads.apps.calibrate`)
             "calibration": {"top_k": cfg.top_k, "positions": walk_counts.tolist(), "hits": walk_hits.tolist(),
                             "conversations": len(data.held_out)},
-            # greedy verification of `tree` replayed on the held-out answers: tokens per step
+            # greedy tree decoding of `tree` replayed on the held-out answers: tokens per step
             **({"tree": cfg.tree, "tree_accepted_length": committed / max(steps, 1)} if data.tree_paths else {})}
 
 
