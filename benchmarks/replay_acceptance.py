@@ -20,9 +20,10 @@ from tqdm import tqdm
 
 from medusa_heads import MedusaModel
 from medusa_heads.apps.bench import read_bench_prompts
-from medusa_heads.backbone import backbone_forward, load_tokenizer
+from medusa_heads.apps.calibrate import replay
+from medusa_heads.backbone import load_tokenizer
 from medusa_heads.errors import MedusaError, read_jsonl
-from medusa_heads.inference import DRAFTERS, DecodeState, make_drafter
+from medusa_heads.inference import DRAFTERS, make_drafter
 from medusa_heads.inference.generate import encode_prompt
 
 
@@ -40,28 +41,6 @@ def greedy_outputs(model, prompts: list[dict], path: Path, max_new_tokens: int) 
             done[p["id"]] = {"id": p["id"], "prompt_ids": ids[0].tolist(), "output_ids": new.tolist()}
             out.write(json.dumps(done[p["id"]]) + "\n")
     return [{**done[p["id"]], "category": p["category"]} for p in prompts]
-
-
-@torch.no_grad()
-def replay(model, drafter, prompt_ids: list[int], output_ids: list[int]) -> int:
-    """Steps the drafter needs to commit `output_ids` after `prompt_ids` under greedy verification."""
-    ids = prompt_ids + output_ids
-    _, hidden = backbone_forward(model.backbone, torch.tensor([ids], device=model.device), None)
-    hidden = hidden[0]
-    t, steps = len(prompt_ids) - 1, 0  # hidden[t] predicted the root ids[t + 1]
-    fresh = hidden[: t + 1]
-    while t + 2 < len(ids):
-        draft = drafter.propose(DecodeState(ids[: t + 2], ids[t + 1], hidden[t], fresh_hidden=fresh))
-        tokens, depth, parent = draft.tokens.tolist(), draft.tree.depth.tolist(), draft.tree.parent.tolist()
-        accepted, deepest = [True] + [False] * (len(tokens) - 1), 0
-        for node in range(1, len(tokens)):  # parents come before their children
-            position = t + 1 + depth[node]
-            if accepted[parent[node]] and position < len(ids) and tokens[node] == ids[position]:
-                accepted[node], deepest = True, max(deepest, depth[node])
-        fresh = hidden[t + 1 : t + 2 + deepest]
-        t += deepest + 1
-        steps += 1
-    return steps
 
 
 def main() -> None:

@@ -2,7 +2,6 @@
 against its drafting, the trainer (one and two processes), and decoding with it exactly as HF greedy (a tiny
 backbone built from a config; the real one in the slow tier)."""
 
-import importlib.util
 import json
 import math
 from pathlib import Path
@@ -12,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from medusa_heads import Eagle3Head, MedusaConfig, MedusaError, MedusaModel, load_backbone
+from medusa_heads.apps.calibrate import replayed_tokens_per_step
 from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward, tap_features
 from medusa_heads.eagle3 import default_feature_layers
 from medusa_heads.inference import DecodeState, EagleDrafter, GenerationStats, make_drafter
@@ -286,15 +286,12 @@ def test_decoding_on_the_real_model_is_exact(real_eagle3, backbone, references, 
     assert all(s.steps > 0 for s in stats)
 
 
-REPO = Path(__file__).resolve().parent.parent
-
-
 @pytest.mark.parametrize("head_type", ["medusa", "eagle3"])
 def test_the_held_out_accepted_length_is_what_tree_decoding_commits(tiny_backbone, counting_data, tokenizer, tmp_path,
                                                                     head_type):
     """The trainer's `tree_accepted_length` equals the tokens per step of the runtime's own drafter on the same tree,
-    replayed on the held-out answers (`benchmarks/replay_acceptance.py`: each step drafts through the decoding
-    loop's drafter and commits what greedy verification would if the backbone wrote those answers)."""
+    replayed on the held-out answers (`replayed_tokens_per_step`: each step drafts through the decoding loop's
+    drafter and commits what greedy verification would if the backbone wrote those answers)."""
     held_out = tmp_path / "held_out.jsonl"
     held_out.write_text("".join(counting_data.read_text().splitlines(keepends=True)[-12:]))
     tree = tmp_path / "tree.json"
@@ -303,14 +300,8 @@ def test_the_held_out_accepted_length_is_what_tree_decoding_commits(tiny_backbon
                           tree=str(tree), max_steps=40, share_lm_head=False))
     model = MedusaModel.from_pretrained(tmp_path / "run" / "heads")
     drafter = make_drafter(model, "medusa", tree=str(tree))
-    spec = importlib.util.spec_from_file_location("replay_acceptance", REPO / "benchmarks" / "replay_acceptance.py")
-    replay_module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(replay_module)
-    tokens = steps = 0
-    for line in held_out.read_text().splitlines():
-        example = tokenize_row(json.loads(line), tokenizer)
-        start = example.loss_mask.index(1)
-        prompt, answer = example.input_ids[:start], example.input_ids[start:]
-        tokens, steps = tokens + len(answer) - 1, steps + replay_module.replay(model, drafter, prompt, answer)
-    assert tokens / steps > 1.3  # trained heads accept: not a comparison of two 1.0s
-    assert result["accuracies"]["tree_accepted_length"] == pytest.approx(tokens / steps, rel=1e-6)
+    conversations = [(e.input_ids, e.loss_mask) for e in (tokenize_row(json.loads(line), tokenizer)
+                                                          for line in held_out.read_text().splitlines())]
+    replayed = replayed_tokens_per_step(model, drafter, conversations)
+    assert replayed > 1.3  # trained heads accept: not a comparison of two 1.0s
+    assert result["accuracies"]["tree_accepted_length"] == pytest.approx(replayed, rel=1e-6)

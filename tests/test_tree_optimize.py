@@ -14,10 +14,13 @@ from medusa_heads.apps.cli import main
 from medusa_heads.apps.calibrate import (Calibration, calibrate, load_calibration, parse_rows, read_rows,
                                               to_conversations)
 from medusa_heads.apps.profile import LatencyProfile, cached_profile, load_profile, measure_profile, profile_path
+from medusa_heads.inference import GenerationStats, make_drafter
 from medusa_heads.model import untrained_heads
 from medusa_heads.tree import build_tree, load_tree
 from medusa_heads.tree.optimize import (choose_budget, expected_accepted_length, fit_tree, grow_tree,
                                         path_probability, write_tree)
+
+from oracle import decode  # noqa: E402
 
 # --- the optimiser ---------------------------------------------------------------------------------------
 
@@ -351,3 +354,28 @@ def test_cli_bad_inputs(tmp_path, fitted_inputs, capsys):
     assert_clean_error(run_cli(capsys, *optimize, "--calibration", str(calibration), "--budget", "1"), "--budget")
     assert_clean_error(run_cli(capsys, "profile", "--contexts", "128,big"), "comma-separated integers")
     assert_clean_error(run_cli(capsys, "profile", "--dtype", "float8"), "Unknown dtype")
+
+
+def test_cli_replays_the_fitted_tree_as_decoding_commits(model, tokenizer, chat_prompts, references, tmp_path,
+                                                         fitted_inputs, capsys):
+    """From answers that are the backbone's own greedy output (fp32), the fitted tree's replayed tokens per step is
+    what tree decoding of those prompts with that tree commits per step."""
+    _, profile = fitted_inputs
+    data = tmp_path / "answers.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": prompt},
+                                                     {"role": "assistant", "content": tokenizer.decode(answer)}],
+                                        "answer_ids": answer}) + "\n"
+                            for prompt, (_, answer) in zip(chat_prompts[:3], references[:3])))
+    out = tmp_path / "tree.json"
+    code, stdout, stderr = run_cli(capsys, "tree", "optimize", "--calibration", str(data), "--profile", str(profile),
+                                   "--max-nodes", "8", "--top-k", "3", "--dtype", "float32", "--out", str(out))
+    assert code == 0, stderr
+    replayed = json.loads(out.read_text())["replayed_accepted_length"]
+    assert f"replayed on the calibration answers: {replayed:.3f} tokens per step" in stdout
+    drafter = make_drafter(model, "medusa", tree=str(out))
+    tokens = steps = 0
+    for ids, answer in references[:3]:
+        stats = GenerationStats()
+        assert decode(model, ids, drafter, max_new_tokens=len(answer), stats=stats) == answer
+        tokens, steps = tokens + len(answer) - 1, steps + stats.steps
+    assert tokens / steps > 1.2 and replayed == pytest.approx(tokens / steps, abs=1e-4)

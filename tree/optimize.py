@@ -126,8 +126,9 @@ def fit_tree(p: Sequence[Sequence[float]], cost: Sequence[float], budget: int | 
     return FittedTree(validate_tree(grown[: budget - 1]), tuple(expected), tuple(cost))
 
 
-def write_tree(fitted: FittedTree, out: Path, calibration: dict, profile: dict) -> None:
-    """A tree file for `--tree` (`paths`) with what it was fitted to and what it is predicted to do."""
+def write_tree(fitted: FittedTree, out: Path, calibration: dict, profile: dict, replayed: float | None = None) -> None:
+    """A tree file for `--tree` (`paths`) with what it was fitted to and what it is predicted to do (`replayed`:
+    tokens per step of tree decoding replayed on the calibration answers, when they were given)."""
     data = {
         "description": (f"Fitted by `medusa-heads tree optimize`: {fitted.budget} nodes, predicted "
                         f"{fitted.expected_accepted_length:.2f} tokens per step at "
@@ -138,6 +139,7 @@ def write_tree(fitted: FittedTree, out: Path, calibration: dict, profile: dict) 
         "budget": fitted.budget,
         "expected_accepted_length": round(fitted.expected_accepted_length, 4),
         "predicted_speedup": round(fitted.predicted_speedup, 4),
+        **({"replayed_accepted_length": round(replayed, 4)} if replayed is not None else {}),
         "by_budget": {"nodes": list(range(1, len(fitted.cost) + 1)),
                       "expected_accepted_length": [round(e, 4) for e in fitted.expected],
                       "relative_cost": [round(c, 4) for c in fitted.cost]},

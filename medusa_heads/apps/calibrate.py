@@ -26,8 +26,9 @@ from tqdm import tqdm
 
 from medusa_heads.backbone import backbone_forward
 from medusa_heads.errors import MedusaError, read_json, read_jsonl
+from medusa_heads.inference.draft import DecodeState, Drafter
 from medusa_heads.model import MedusaModel
-from medusa_heads.training.data import tokenize_row
+from medusa_heads.training.data import Example, assistant_spans, tokenize_row
 
 _BATCH = 256  # paths per head call: bounds the [N, vocabulary] scores in memory
 
@@ -168,3 +169,47 @@ def _walk_step(model: MedusaModel, ids: torch.Tensor, hidden: torch.Tensor, gree
     found = match.any(dim=1)
     counted = torch.bincount(match.int().argmax(dim=1)[found], minlength=top_k)
     return counted, found & (ids[roots + d + 1] == targets)
+
+
+@torch.no_grad()
+def replay(model: MedusaModel, drafter: Drafter, prompt_ids: list[int], answer_ids: list[int]) -> int:
+    r"""
+    Steps that tree decoding with `drafter` takes to commit `answer_ids` after `prompt_ids` under greedy
+    verification, when they are the backbone's own greedy answer.
+
+    With the answer known, a step needs only the drafter: one backbone forward over the whole sequence gives every
+    hidden state the decoding loop would hand it, and the step commits the deepest drafted path that spells the
+    answer, plus one token. The first answer token comes from the prefill.
+    """
+    ids = prompt_ids + answer_ids
+    _, hidden = backbone_forward(model.backbone, torch.tensor([ids], device=model.device), None)
+    hidden = hidden[0]
+    t, steps = len(prompt_ids) - 1, 0  # hidden[t] predicted the root ids[t + 1]
+    fresh = hidden[: t + 1]
+    while t + 2 < len(ids):
+        draft = drafter.propose(DecodeState(ids[: t + 2], ids[t + 1], hidden[t], fresh_hidden=fresh))
+        tokens, depth, parent = draft.tokens.tolist(), draft.tree.depth.tolist(), draft.tree.parent.tolist()
+        accepted, deepest = [True] + [False] * (len(tokens) - 1), 0
+        for node in range(1, len(tokens)):  # parents come before their children
+            position = t + 1 + depth[node]
+            if accepted[parent[node]] and position < len(ids) and tokens[node] == ids[position]:
+                accepted[node], deepest = True, max(deepest, depth[node])
+        fresh = hidden[t + 1 : t + 2 + deepest]
+        t += deepest + 1
+        steps += 1
+    return steps
+
+
+def replayed_tokens_per_step(model: MedusaModel, drafter: Drafter,
+                             conversations: Iterable[tuple[list[int], list[int]]]) -> float:
+    """Tokens per step of tree decoding replayed (`replay`) on each answer of (input ids, answer mask) pairs, each
+    answer decoded after everything before it."""
+    tokens = steps = 0
+    for input_ids, mask in tqdm(conversations, desc="replay", unit="conversation", leave=False):
+        start = 0
+        for answer in assistant_spans(Example(input_ids, mask)):
+            start = mask.index(1, start)
+            steps += replay(model, drafter, input_ids[:start], answer)
+            tokens += len(answer) - 1
+            start += len(answer)
+    return tokens / max(steps, 1)

@@ -498,7 +498,10 @@ def _tree(args) -> None:
     from medusa_heads.model import MedusaModel
     from medusa_heads.tree.optimize import fit_tree, write_tree
 
-    from .calibrate import calibrate, load_calibration, parse_rows, read_rows, to_conversations
+    from medusa_heads.inference import heads_drafter
+    from medusa_heads.tree import build_tree
+
+    from .calibrate import calibrate, load_calibration, parse_rows, read_rows, replayed_tokens_per_step, to_conversations
     from .profile import cached_profile, load_profile
 
     _check_tree_args(args)
@@ -518,7 +521,8 @@ def _tree(args) -> None:
     if from_data:
         name = _backbone_name(args, model)
         tokenizer = _tokenizer(args, model)
-        calibration = calibrate(model, to_conversations(rows, tokenizer), args.top_k, meta={
+        conversations = to_conversations(rows, tokenizer)
+        calibration = calibrate(model, conversations, args.top_k, meta={
             "data": str(args.calibration), "rows": args.rows or ":", "model": name,
             "heads": args.heads or "shipped", "dtype": str(model.backbone.dtype).removeprefix("torch.")})
         print(f"calibrated on {calibration.conversations} conversations: accepted given the parent, top-1 per depth "
@@ -527,7 +531,11 @@ def _tree(args) -> None:
         profile, path = cached_profile(model, args.max_nodes)
         print(f"profile: {path}")
     fitted = fit_tree(calibration.p, profile.relative_cost(args.max_nodes), args.budget)
-    write_tree(fitted, args.out, calibration.as_dict(), profile.as_dict())
+    # The expectation counts every answer position as a step's root; decoding jumps over easy stretches, so the
+    # fitted tree is also replayed on the answers, step by step, for the tokens per step decoding would get.
+    replayed = replayed_tokens_per_step(model, heads_drafter(model, build_tree(fitted.paths, model.device)),
+                                        conversations) if from_data else None
+    write_tree(fitted, args.out, calibration.as_dict(), profile.as_dict(), replayed)
     for n in [n for n in profile.sizes if n <= len(fitted.cost)]:
         e, c = fitted.expected[n - 1], fitted.cost[n - 1]
         print(f"{n:3d} nodes: expected accepted length {e:.3f}, cost {c:.2f}x, predicted speed-up {e / c:.3f}x")
@@ -535,6 +543,8 @@ def _tree(args) -> None:
           f"expected accepted length "
           f"{fitted.expected_accepted_length:.3f}, predicted speed-up {fitted.predicted_speedup:.3f}x over plain "
           f"decoding; wrote {args.out}")
+    if replayed is not None:
+        print(f"replayed on the calibration answers: {replayed:.3f} tokens per step")
     if fitted.predicted_speedup < 1:
         print(f"note: plain decoding is predicted to be faster than {'this tree' if args.budget else 'any tree here'}",
               file=sys.stderr)
