@@ -39,13 +39,24 @@ def ngram_lookup(token_ids: list[int], length: int, max_ngram: int = 4, min_ngra
     return []
 
 
-def chain_follow(state: DecodeState, length: int, max_ngram: int, min_ngram: int,
-                 store: NgramStore | None) -> list[int]:
-    """The n-gram chain's tokens: prompt lookup, else the store's continuation (if a store is given), else []."""
-    follow = ngram_lookup(state.token_ids, length, max_ngram, min_ngram)
-    if not follow and store is not None:
-        follow = store.continuation(state.token_ids, length)
-    return follow
+class NgramChain:
+    """The n-gram branch that the `...+ngram` drafters add to a tree: `length` tokens from prompt lookup, else from
+    `store` (if given), under the root as the branch of rank `branch`."""
+
+    def __init__(self, length: int, max_ngram: int, min_ngram: int, store: NgramStore | None):
+        if length < 1:
+            raise MedusaError(f"The n-gram chain needs at least 1 token, got {length}.")
+        self.length, self.max_ngram, self.min_ngram, self.store = length, max_ngram, min_ngram, store
+
+    def paths(self, branch: int) -> list[tuple[int, ...]]:
+        return [tuple([branch] + [0] * d) for d in range(self.length)]
+
+    def follow(self, state: DecodeState) -> list[int]:
+        """The chain's tokens for this step; [] when neither the context nor the store has a continuation."""
+        follow = ngram_lookup(state.token_ids, self.length, self.max_ngram, self.min_ngram)
+        if not follow and self.store is not None:
+            follow = self.store.continuation(state.token_ids, self.length)
+        return follow
 
 
 class MedusaNgramDrafter:
@@ -60,17 +71,13 @@ class MedusaNgramDrafter:
 
     def __init__(self, heads: TreeFiller, ngram_length: int = 6, max_ngram: int = 4, min_ngram: int = 2,
                  store: NgramStore | None = None):
-        if ngram_length < 1:
-            raise MedusaError(f"The n-gram chain needs at least 1 token, got {ngram_length}.")
+        self.chain = NgramChain(ngram_length, max_ngram, min_ngram, store)
         self.heads = heads
         device = heads.tree.depth.device
         branch = heads.tree.top_k  # a rank no head fills marks the n-gram chain
-        chain = [tuple([branch] + [0] * d) for d in range(ngram_length)]
-        self.tree = build_tree(list(heads.tree.paths) + chain, device)
+        self.tree = build_tree(list(heads.tree.paths) + self.chain.paths(branch), device)
         self.is_chain = torch.tensor([bool(p) and p[0] == branch for p in ((),) + self.tree.paths], device=device)
         self.chain_nodes = torch.nonzero(self.is_chain).flatten()  # in depth order
-        self.ngram_length, self.max_ngram, self.min_ngram = ngram_length, max_ngram, min_ngram
-        self.store = store
 
     @property
     def per_sequence(self) -> bool:
@@ -78,7 +85,7 @@ class MedusaNgramDrafter:
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Draft:
-        follow = chain_follow(state, self.ngram_length, self.max_ngram, self.min_ngram, self.store)
+        follow = self.chain.follow(state)
         if not follow:
             return self.heads.propose(state)
         tree = self.tree
@@ -117,22 +124,19 @@ class DynamicNgramDrafter:
 
     def __init__(self, dynamic: DynamicDrafter, ngram_length: int = 6, max_ngram: int = 4, min_ngram: int = 2,
                  store: NgramStore | None = None):
-        if ngram_length < 1:
-            raise MedusaError(f"The n-gram chain needs at least 1 token, got {ngram_length}.")
+        self.chain = NgramChain(ngram_length, max_ngram, min_ngram, store)
         self.dynamic = dynamic
-        self.chain = [tuple([dynamic.top_k] + [0] * d) for d in range(ngram_length)]
-        self.tree = build_tree(list(dynamic.tree.paths) + self.chain, dynamic.model.device)  # the largest one
-        self.ngram_length, self.max_ngram, self.min_ngram = ngram_length, max_ngram, min_ngram
-        self.store = store
+        self.chain_paths = self.chain.paths(dynamic.top_k)  # a rank no grown node has
+        self.tree = build_tree(list(dynamic.tree.paths) + self.chain_paths, dynamic.model.device)  # the largest one
         self.per_sequence = dynamic.per_sequence
 
     @torch.no_grad()
     def propose(self, state: DecodeState) -> Draft:
         draft = self.dynamic.propose(state)
-        follow = chain_follow(state, self.ngram_length, self.max_ngram, self.min_ngram, self.store)
+        follow = self.chain.follow(state)
         if not follow:
             return draft
-        paths = list(draft.tree.paths) + self.chain[: len(follow)]
+        paths = list(draft.tree.paths) + self.chain_paths[: len(follow)]
         tokens = draft.tokens.tolist() + follow
         order = sorted(range(len(paths)), key=lambda i: (len(paths[i]), paths[i]))
         tree = canonical_tree(tuple(paths[i] for i in order), draft.tokens.device)
