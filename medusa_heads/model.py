@@ -300,7 +300,8 @@ class MedusaModel(nn.Module):
                 config (or the embedded default when there are no heads either).
             dtype, device: where and how the backbone and heads run.
             pack_weights: on CPU, lay the linear weights out once for oneDNN (`packing.pack_linears`): faster,
-                bit-identical in bf16, another rounding in fp32, one more copy of the weights in memory. Backbone
+                bit-identical in bf16, another rounding in fp32, one more copy of the weights in memory; the heads
+                are then frozen (train them with the trainer, which loads them unpacked). Backbone
                 layers reading the same input (q/k/v, gate/up) share one packed product (`packing.fuse_siblings`).
             quantize: `none`, or `int8`: the backbone's decoder computes with int8 weights (`quantize.py`, CPU
                 only); packing then covers the layers left in float (the LM head).
@@ -331,6 +332,7 @@ class MedusaModel(nn.Module):
         model = cls(backbone, heads.to(device=backbone.device, dtype=backbone.dtype), adapter)
         use_tree_gqa_attention(model.backbone)
         if pack_weights:
+            model.heads.requires_grad_(False)  # a packed model decodes: its heads are frozen like the backbone
             pack_linears(model)
             fuse_siblings(model.backbone, partial(_trial_logits, model.backbone))
         return model

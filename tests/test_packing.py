@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from medusa_heads import EMBEDDED_MODEL, MedusaModel
+from medusa_heads.model import SHIPPED_HEADS
 from medusa_heads.inference import make_drafter
 from medusa_heads.packing import PackedLinear, SiblingLinear, can_pack, fuse_siblings, pack_linears, stock_linears
 
@@ -121,3 +122,16 @@ def test_a_packed_fp32_model_decodes_exactly_as_hf_on_the_stock_model(references
     assert model.backbone.config._attn_implementation == "sdpa_tree_gqa"
     for name, tree in (("medusa+ngram", "cpu-16"), ("medusa", "cpu-8")):
         assert_exact(model, backbone, references[:3], make_drafter(model, name, tree=tree))
+
+
+def test_a_loaded_eagle_drafter_is_frozen_and_packed_and_still_decodes_exactly(references, backbone):
+    """The drafter's own layers (its fc and decoder layer) are packed like the backbone's: every drafting step reads
+    them once per depth."""
+    eagle = SHIPPED_HEADS[EMBEDDED_MODEL].parent / "smollm2-135m-embedded-eagle"
+    model = MedusaModel.from_pretrained(eagle, dtype=torch.float32)
+    linears = [m for m in model.heads.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 8 and all(type(m) is PackedLinear for m in linears)  # fc and the layer's 7
+    assert not any(p.requires_grad for p in model.heads.parameters())
+    assert_exact(model, backbone, references[:2], make_drafter(model, "medusa", tree="eagle-cpu-16"))
+    unpacked = MedusaModel.from_pretrained(eagle, dtype=torch.float32, pack_weights=False)
+    assert not any(type(m) is PackedLinear for m in unpacked.heads.modules())
