@@ -98,3 +98,15 @@ def test_the_int8_embedded_model_decodes_as_hf_on_the_same_int8_model(tokenizer,
         references = [(ids, hf_greedy(model.backbone, ids, 64)) for ids in prompts]
     stats = assert_exact(model, model.backbone, references, make_drafter(model, "medusa", tree="cpu-8"), 64)
     assert sum(len(s.accepted_lengths) for s in stats) < 3 * 64  # the heads still save forwards on int8
+
+
+def test_int8_warns_where_its_kernel_is_slower_than_float(tiny_backbone, monkeypatch, caplog):
+    from medusa_heads import quantize
+    layer = Int8Linear(nn.Linear(64, 48, bias=False).requires_grad_(False))
+    assert quantize.int8_slowdown(layer, repeats=3) > 0  # the real timing, on whatever this CPU is
+    for slowdown, warned in ((5.0, True), (0.8, False)):
+        monkeypatch.setattr(quantize, "int8_slowdown", lambda layer: slowdown)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="medusa_heads.quantize"):
+            quantize_backbone(load_backbone(str(tiny_backbone), dtype=torch.float32), "int8")
+        assert ("5.0x slower than float32 on this CPU" in caplog.text) is warned
