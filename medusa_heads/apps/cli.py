@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                    f"(default {DEFAULT_TREE})")
     g.add_argument("--drafter", choices=list(DRAFTERS),
                    help="default: the fastest lossless configuration for the dtype (bf16: medusa+ngram on hydra-cpu-6, "
-                   "fp32: medusa on cpu-3); " + "; ".join(f"{name}: {spec.help}" for name, spec in DRAFTERS.items()))
+                   "fp32: medusa+ngram on cpu-3); " + "; ".join(f"{name}: {spec.help}" for name, spec in DRAFTERS.items()))
     g.add_argument("--draft-model", help=f"{', '.join(drafters_taking('draft_model'))}: a small LM with the "
                    "backbone's tokenizer (hub id or folder)")
     g.add_argument("--draft-length", type=int, help=f"{', '.join(drafters_taking('draft_length'))}: tokens per "
