@@ -102,12 +102,13 @@ def quantize_backbone(backbone: nn.Module, name: str) -> int:
         raise MedusaError(f"`{name}` quantization needs a float32 or bfloat16 backbone, not {backbone.dtype}.")
     decoder = backbone.get_decoder()
     targets = [(name_, m) for name_, m in decoder.named_modules() if type(m) is nn.Linear]
+    layers = []
     for path, linear in targets:
         parent, _, child = path.rpartition(".")
-        setattr(decoder.get_submodule(parent), child, Int8Linear(linear))
-    if targets:
-        layer = max((m for m in decoder.modules() if isinstance(m, Int8Linear)), key=lambda m: m.qweight.numel())
-        slowdown = int8_slowdown(layer)
+        layers.append(Int8Linear(linear))
+        setattr(decoder.get_submodule(parent), child, layers[-1])
+    if layers:
+        slowdown = int8_slowdown(max(layers, key=lambda m: m.qweight.numel()))
         if slowdown > 1.2:  # beyond timing noise
             logger.warning("int8 weights compute %.1fx slower than %s on this CPU (torch's int8 kernel is fast only "
                            "with AVX512-VNNI or AMX): decoding will be slower than with `--quantize none`.",
