@@ -14,7 +14,7 @@ import torch
 
 from medusa_heads import MedusaError, load_heads
 from medusa_heads.training.recipe import TrainConfig, load_recipe
-from medusa_heads.training.trainer import batch_order, get_lr, micro_batch, train
+from medusa_heads.training.trainer import batch_order, get_lr, micro_batch, steps_in_budget, train
 
 
 def recipe(tiny_backbone, data, out, **kw):
@@ -97,6 +97,7 @@ BAD_VALUES = [
     ("learning_rate", {"learning_rate": 0.0}), ("learning_rate", {"learning_rate": -1e-3}),
     ("weight_decay", {"weight_decay": -0.1}), ("warmup_steps", {"warmup_steps": -1}),
     ("warmup_steps", {"warmup_steps": 60, "max_steps": 40}), ("max_steps", {"max_steps": 0}),
+    ("max_minutes", {"max_minutes": 0.0}), ("max_minutes", {"max_minutes": "soon"}),
     ("min_lr_ratio", {"min_lr_ratio": 1.5}), ("batch_size", {"batch_size": 0}),
     ("gradient_accumulation_steps", {"gradient_accumulation_steps": 0}), ("grad_clip", {"grad_clip": -1.0}),
     ("mixed_precision", {"mixed_precision": "fp8"}),
@@ -145,6 +146,24 @@ def test_lr_schedule():
     cfg = load_recipe(None, {"learning_rate": 1.0, "warmup_steps": 10, "max_steps": 110, "min_lr_ratio": 0.1})
     assert get_lr(0, cfg) == pytest.approx(0.1) and get_lr(9, cfg) == pytest.approx(1.0)
     assert get_lr(60, cfg) == pytest.approx(0.55) and get_lr(110, cfg) == pytest.approx(0.1)
+
+
+def test_a_time_budget_fits_the_steps_to_the_pace():
+    cfg = load_recipe(None, {"max_minutes": 10.0, "max_steps": 1000})
+    # 20 steps in 60 s: 3 s a step, 540 s left -> 180 more
+    assert steps_in_budget(cfg, 20, 20, 60.0, 1000) == 200
+    assert steps_in_budget(cfg, 20, 20, 6.0, 1000) == 1000  # never above the recipe's max_steps
+    assert steps_in_budget(cfg, 20, 20, 700.0, 1000) == 20  # over the budget: stop at this step
+
+
+def test_a_run_out_of_time_stops_evaluates_and_saves_with_its_schedule_ended(tiny_backbone, counting_data, tmp_path):
+    # a budget of 6 ms has run out when the run first times itself (step 20 of 40)
+    cfg = recipe(tiny_backbone, counting_data, tmp_path / "run", max_steps=40, max_minutes=1e-4)
+    result = train(cfg)
+    assert [h["step"] for h in result["history"]] == list(range(1, 21))
+    assert "held_out_top1" in result["history"][-1]  # the last step was evaluated, as a planned last step is
+    assert get_lr(20, cfg) == pytest.approx(cfg.learning_rate * cfg.min_lr_ratio)
+    assert (tmp_path / "run" / "heads" / "head_accuracies.json").exists()
 
 
 def test_processes_take_disjoint_micro_batches_of_one_shared_order():

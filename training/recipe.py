@@ -51,6 +51,8 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 50  # linear warm-up to learning_rate, at most max_steps
     max_steps: int = 1000
+    max_minutes: float | None = None  # a time budget for the steps: the run times itself (from step 20, then every
+    # `log_every` steps) and lowers `max_steps` to what fits, so the cosine decay still ends on time; null: none
     min_lr_ratio: float = 0.1  # cosine decay down to this share of learning_rate
     batch_size: int = 8  # conversations per micro-batch
     gradient_accumulation_steps: int = 1
@@ -118,6 +120,8 @@ class TrainConfig:
         _require(0 <= self.held_out_fraction < 1, "held_out_fraction", "must be in [0, 1)", self.held_out_fraction)
         _require(0 < self.decay <= 1, "decay", "must be in (0, 1]", self.decay)
         _require(self.learning_rate > 0, "learning_rate", "must be positive", self.learning_rate)
+        _require(self.max_minutes is None or self.max_minutes > 0, "max_minutes", "must be positive (or null)",
+                 self.max_minutes)
         _require(self.weight_decay >= 0, "weight_decay", "must be at least 0", self.weight_decay)
         _require(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
         _require(self.grad_clip >= 0, "grad_clip", "must be at least 0 (0: no clipping)", self.grad_clip)

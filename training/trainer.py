@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs, set_seed
+from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs, broadcast_object_list, set_seed
 from torch import nn
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
@@ -37,6 +37,8 @@ from .losses import (backbone_kl, decoded_steps, draft_labels, follow_embeddings
 from .recipe import TrainConfig
 
 logger = logging.getLogger(__name__)
+
+TIMING_STEPS = 20  # steps a run with `max_minutes` times before it fits `max_steps` to the budget
 
 
 def get_lr(step: int, cfg: TrainConfig) -> float:
@@ -530,20 +532,43 @@ def load_checkpoint(run: Run) -> int:
     return step
 
 
+def steps_in_budget(cfg: TrainConfig, step: int, steps_done: int, elapsed: float, planned: int) -> int:
+    """The last step that fits `max_minutes` at the pace so far: at least `step`, at most `planned` (the
+    recipe's `max_steps`)."""
+    pace = elapsed / steps_done
+    return max(step, min(planned, step + int((cfg.max_minutes * 60 - elapsed) / pace)))
+
+
+def fit_to_budget(run: Run, step: int, first: int, t0: float, planned: int) -> None:
+    """`max_minutes`: set `max_steps` to what fits; process 0 decides for all (they must stop together). The
+    schedule reads `max_steps`, so the cosine decay ends with the budget."""
+    fitted = [steps_in_budget(run.cfg, step, step - first, time.perf_counter() - t0, planned)]
+    if run.accelerator.num_processes > 1:
+        broadcast_object_list(fitted)
+    if fitted[0] != run.cfg.max_steps:
+        logger.info("max_minutes %g: %d steps fit at this pace (max_steps was %d)", run.cfg.max_minutes, fitted[0],
+                    run.cfg.max_steps)
+        run.cfg.max_steps = fitted[0]
+
+
 def train_loop(run: Run, step: int) -> tuple[list[dict], dict | None, float]:
-    """Steps from `step` to `max_steps`, logging, evaluating and checkpointing on schedule -> (the loss curve,
-    the last held-out accuracies or None, training tokens per second of this process)."""
+    """Steps from `step` to `max_steps` (fitted to `max_minutes` as it goes), logging, evaluating and
+    checkpointing on schedule -> (the loss curve, the last held-out accuracies or None, training tokens per
+    second of this process)."""
     cfg = run.cfg
     history, accuracies = [], None
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train", unit="step",
                disable=not run.accelerator.is_main_process)
-    tokens, t0 = 0, time.perf_counter()
+    tokens, t0, first, planned = 0, time.perf_counter(), step, cfg.max_steps
     while step < cfg.max_steps:
         loss, per_head, n = train_step(run, step)
         tokens += n
         step += 1
         history.append({"step": step, "loss": loss, "per_head": per_head})
         bar.update(1)
+        if cfg.max_minutes and step - first >= TIMING_STEPS and (step - first) % cfg.log_every == 0:
+            fit_to_budget(run, step, first, t0, planned)
+            bar.total = cfg.max_steps
         if step % cfg.log_every == 0 or step == cfg.max_steps:
             rate = tokens / (time.perf_counter() - t0)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
