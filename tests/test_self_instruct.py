@@ -96,3 +96,19 @@ def test_distilled_second_turns_are_the_backbone_s_greedy_answers(tmp_path, back
     assert row["messages"][:3] == messages and row["messages"][3]["role"] == "assistant"
     (example,) = load_examples(str(out), tokenizer, 512)
     assert [t for t, m in zip(example.input_ids, example.loss_mask) if m] == row["answer_ids"]
+
+
+def test_the_committed_data_stays_off_the_benchmark_and_its_held_out_prompts_off_training():
+    data = SHIPPED.parent
+    bench = set().union(*(shingles(p) for p in bench_prompts()))
+    written = [json.loads(line)["prompt"] for line in (data / "self_instruct_prompts.jsonl").read_text().splitlines()]
+    assert len(written) == len(set(written)) >= 2600
+    assert not [p for p in written if shingles(p) & bench]
+
+    def user_turns(folder: Path) -> set[str]:
+        return {m["content"] for f in folder.glob("*.jsonl") for line in f.read_text().splitlines()
+                for m in json.loads(line)["messages"] if m["role"] == "user"}
+
+    trained, held_out = user_turns(data / "mix"), user_turns(data / "dev")
+    assert held_out and not trained & held_out
+    assert not [p for p in trained | held_out if shingles(p) & bench]
