@@ -12,8 +12,9 @@
 #   2. train: the recipe with a time budget (`max_minutes`: what is left of SECONDS, less 2 minutes for 3.);
 #   3. measure: the n-gram store, a tree fitted to the drafter's held-out counts and this GPU's step times, and a
 #      bench of 2 prompts per category against the default configuration and the shipped EAGLE drafter.
-# Writes the drafter (heads/), its tree, new data files, bench.json/md and run.log to $OUT/eagle3 when $OUT is
-# set, else to bench-out/eagle3-gpu: commit them from there.
+# Writes the drafter (heads/), its tree, the data files, bench.json/md and run.log to bench-out/eagle3-gpu; with
+# $OUT set (the lent device) also packs that folder as $OUT/eagle3.tar.gz.part-* (15 MiB parts: what comes back
+# from a device is a few files of at most 16 MiB), on every exit. Give SECONDS 30 s under the call's own limit.
 #
 # The sizes are variables, so that the whole chain can be tried on a CPU at toy scale before a device's minutes
 # are spent on it: DEVICE=cpu DTYPE=float32 BATCH=8 PROMPTS=14 HELD_OUT=4 TEMPLATES=6 SAMPLED=4 TURN2_SHARE=0.5
@@ -43,13 +44,18 @@ if [ "$device" = cuda ]; then
     "$python" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'eagle3_gpu.sh: no CUDA device')"
 fi
 
-out=${OUT:+$OUT/eagle3}
-out=${out:-bench-out/eagle3-gpu}
+out=bench-out/eagle3-gpu
 work=runs/eagle3-gpu
 mkdir -p "$out" "$work"
 exec > >(tee -a "$out/run.log") 2>&1
 left() { local s=$((budget - SECONDS)); echo $((s > 1 ? s : 1)); }  # `timeout 0` would not time out
-keep() { mkdir -p "$out/data" && cp -r training/data/mix training/data/dev "$out/data/" 2>/dev/null || true; }
+keep() {
+    mkdir -p "$out/data" && cp -r training/data/mix training/data/dev "$out/data/" 2>/dev/null || true
+    if [ -n "${OUT:-}" ]; then
+        rm -f "$OUT"/eagle3.tar.gz.part-*
+        tar czf - "$out" | split -b 15M - "$OUT/eagle3.tar.gz.part-"
+    fi
+}
 trap keep EXIT
 
 data=training/data
