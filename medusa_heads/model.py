@@ -303,8 +303,8 @@ class MedusaModel(nn.Module):
                 bit-identical in bf16, another rounding in fp32, one more copy of the weights in memory; the heads
                 are then frozen (train them with the trainer, which loads them unpacked). Backbone
                 layers reading the same input (q/k/v, gate/up) share one packed product (`packing.fuse_siblings`).
-            quantize: `none`, or `int8`: the backbone's decoder computes with int8 weights (`quantize.py`, CPU
-                only); packing then covers the layers left in float (the LM head).
+            quantize: `none`, `int8` or `int4`: the backbone's decoder computes with int8 or 4-bit weights
+                (`quantize.py`, CPU only); packing then covers the layers left in float (the LM head).
 
         A backbone running transformers' `sdpa` attention switches to `sdpa_tree_gqa` (`attention.py`: tree steps
         read grouped key/value heads in place; bit-identical). These and `quantize` change a `base_model` passed in,

@@ -10,7 +10,16 @@ weights break oneDNN packing; `_weight_int8pack_mm` reads a quarter fewer bytes 
 layers (19 against 22 ms), but its cost grows with every row, so from `DEQUANTIZED_ROWS` rows on (prefill,
 training, batched distillation) the weight is de-quantised for the call and oneDNN's matmul does the rest.
 
-`Int8Linear` is not an `nn.Linear`, so `packing.pack_linears` leaves it alone and packs the layers still in float.
+`quantize_backbone(backbone, "int4")` makes `Int4Linear`s instead: 4-bit weights in groups of `GROUP_SIZE` along
+the input (asymmetric: a bf16 scale and zero point per group, as the embedded model's own Q4_1 GGUF blocks are),
+computed by torch's `aten._weight_int4pack_mm_for_cpu`, which takes bf16 activations (so greedy decoding is the
+int4 model's own up to bf16 rounding, as with a bf16 backbone). On the AVX2-only CPU a whole decoding step of
+SmolLM2-135M on an fp32 backbone (300-token context) took 38-40 ms against 51 ms packed float32 at one node, 47-49
+against 64 at four and the same at sixteen; from `DEQUANTIZED_ROWS` rows on (the kernel's cost grows with every
+row) the weight is de-quantised for the call, from a plain copy of the codes: 1.1 bytes a weight in all.
+
+`Int8Linear` and `Int4Linear` are not `nn.Linear`s, so `packing.pack_linears` leaves them alone and packs the layers
+still in float.
 
 The kernel is fast only on CPUs with int8 dot-product instructions (AVX512-VNNI, AMX). On an AVX2-only CPU (an AMD
 EPYC Milan, 2026-12-03) one row through a 576 x 1536 layer took 0.83 ms against 0.12 ms in float32, and a 1-token
@@ -29,8 +38,11 @@ from .errors import MedusaError
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "int8")
-DEQUANTIZED_ROWS = 32  # measured crossover on this CPU: below it the int8 kernel is faster than de-quantising
+QUANTIZATIONS = ("none", "int8", "int4")
+DEQUANTIZED_ROWS = 32  # measured crossover on this CPU: below it the int8 kernel is faster than de-quantising. It
+# also bounds greedy exactness: a step of this many rows or more computes by another path than HF's one-row steps.
+GROUP_SIZE = 32  # int4: inputs per scale and zero point
+INNER_K_TILES = 2  # int4: the packing torch's CPU kernel is given
 
 
 class Int8Linear(nn.Module):
@@ -45,14 +57,14 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
 
-    def dequantized(self) -> torch.Tensor:
-        """The weight this layer computes with, [out, in] in the activations' dtype."""
-        return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight this layer computes with, [out, in] in `dtype`."""
+        return (self.qweight.to(self.scales.dtype) * self.scales[:, None]).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] >= DEQUANTIZED_ROWS:
-            out = F.linear(rows, self.dequantized())
+            out = F.linear(rows, self.dequantized(x.dtype))
         else:
             out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
         if self.bias is not None:
@@ -63,23 +75,69 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+class Int4Linear(nn.Module):
+    """A frozen linear layer with 4-bit weights [out, in], in groups of `GROUP_SIZE` inputs that each have a scale
+    and a zero point: weight = (code - 8) * scale + zero."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        out_features, in_features = linear.weight.shape
+        groups = linear.weight.detach().float().reshape(out_features, in_features // GROUP_SIZE, GROUP_SIZE)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+        codes = codes.reshape(out_features, in_features)
+        # the kernel's layout, and the same codes two to a byte for de-quantising (the kernel's is opaque)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), INNER_K_TILES))
+        self.register_buffer("codes", codes[:, 0::2] | (codes[:, 1::2] << 4))
+        self.register_buffer("scales_and_zeros", torch.stack([scale, low + 8 * scale], -1).transpose(0, 1)
+                             .to(torch.bfloat16).contiguous())  # [in / GROUP_SIZE, out, 2]
+        self.bias = linear.bias
+        self.in_features, self.out_features = in_features, out_features
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight this layer computes with, [out, in] in `dtype`."""
+        codes = torch.stack([self.codes & 15, self.codes >> 4], -1).reshape(self.out_features, -1, GROUP_SIZE)
+        scale, zero = self.scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [out, in / GROUP_SIZE] each
+        weight = (codes.float() - 8) * scale[..., None] + zero[..., None]
+        return weight.reshape(self.out_features, self.in_features).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] >= DEQUANTIZED_ROWS:
+            out = F.linear(rows, self.dequantized(x.dtype))
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.packed, GROUP_SIZE,
+                                                              self.scales_and_zeros).to(x.dtype)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 (groups of {GROUP_SIZE})"
+
+
+QUANTIZED_LAYERS = {"int8": Int8Linear, "int4": Int4Linear}
+
+
 def check_quantize(name: str, device: torch.device | str = "cpu") -> str:
     """`name` if this build can run it on `device`, else a one-line MedusaError."""
     if name not in QUANTIZATIONS:
         raise MedusaError(f"Unknown quantization `{name}`; use one of {', '.join(QUANTIZATIONS)}.")
     if name != "none" and torch.device(device).type != "cpu":
-        raise MedusaError(f"`{name}` quantization runs on the CPU only (torch's `_weight_int8pack_mm`), not on "
-                          f"`{device}`.")
+        raise MedusaError(f"`{name}` quantization runs on the CPU only (torch's CPU kernels), not on `{device}`.")
+    if name == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        raise MedusaError(f"`int4` quantization needs torch 2.6 or later (its CPU int4 kernel); this is "
+                          f"{torch.__version__}.")
     return name
 
 
-def int8_slowdown(layer: Int8Linear, repeats: int = 7) -> float:
-    """How many times longer one row takes through `layer`'s int8 kernel than through its float weight (the median
-    of `repeats` timings each, after a warm-up): above 1 this CPU has no fast int8 kernel."""
-    x = torch.randn(1, layer.in_features, dtype=layer.scales.dtype)
-    weight = layer.dequantized()
-    runs = {"int8": lambda: torch.ops.aten._weight_int8pack_mm(x, layer.qweight, layer.scales),
-            "float": lambda: F.linear(x, weight)}
+def kernel_slowdown(layer: Int8Linear | Int4Linear, dtype: torch.dtype, repeats: int = 7) -> float:
+    """How many times longer one row in `dtype` takes through `layer`'s quantized kernel than through its float
+    weight (the median of `repeats` timings each, after a warm-up): above 1 this CPU has no fast kernel for it."""
+    x = torch.randn(1, layer.in_features, dtype=dtype)
+    weight = layer.dequantized(dtype)
+    runs = {"quantized": lambda: layer(x), "float": lambda: F.linear(x, weight)}
     seconds = {}
     with torch.no_grad():
         for label, run in runs.items():
@@ -90,7 +148,7 @@ def int8_slowdown(layer: Int8Linear, repeats: int = 7) -> float:
                 run()
                 times.append(time.perf_counter() - start)
             seconds[label] = statistics.median(times)
-    return seconds["int8"] / seconds["float"]
+    return seconds["quantized"] / seconds["float"]
 
 
 def quantize_backbone(backbone: nn.Module, name: str) -> int:
@@ -102,13 +160,18 @@ def quantize_backbone(backbone: nn.Module, name: str) -> int:
         raise MedusaError(f"`{name}` quantization needs a float32 or bfloat16 backbone, not {backbone.dtype}.")
     decoder = backbone.get_decoder()
     targets = [(name_, m) for name_, m in decoder.named_modules() if type(m) is nn.Linear]
+    if name == "int4" and any(m.in_features % GROUP_SIZE for _, m in targets):
+        raise MedusaError(f"`int4` quantization needs layers whose inputs divide into groups of {GROUP_SIZE}; this "
+                          f"backbone has {sorted({m.in_features for _, m in targets})}.")
     layers = []
     for path, linear in targets:
         parent, _, child = path.rpartition(".")
-        layers.append(Int8Linear(linear))
+        layers.append(QUANTIZED_LAYERS[name](linear))
         setattr(decoder.get_submodule(parent), child, layers[-1])
-    if layers:
-        slowdown = int8_slowdown(max(layers, key=lambda m: m.qweight.numel()))
+    # int8 only: one layer timed alone has its weight in cache, which flatters the float product; int4 measured
+    # 1.2x slower so, and a whole step 0.75x the float time (docs/benchmarks.md). int8 was 4-5x slower both ways.
+    if layers and name == "int8":
+        slowdown = kernel_slowdown(max(layers, key=lambda m: m.in_features * m.out_features), backbone.dtype)
         if slowdown > 1.2:  # beyond timing noise
             logger.warning("int8 weights compute %.1fx slower than %s on this CPU (torch's int8 kernel is fast only "
                            "with AVX512-VNNI or AMX): decoding will be slower than with `--quantize none`.",
@@ -118,4 +181,5 @@ def quantize_backbone(backbone: nn.Module, name: str) -> int:
 
 def quantization_of(model: nn.Module) -> str:
     """The quantization `quantize_backbone` applied to `model`, or `none`."""
-    return "int8" if any(isinstance(m, Int8Linear) for m in model.modules()) else "none"
+    kinds = {name for name, kind in QUANTIZED_LAYERS.items() for m in model.modules() if isinstance(m, kind)}
+    return kinds.pop() if kinds else "none"

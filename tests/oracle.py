@@ -16,15 +16,21 @@ def hf_greedy(backbone, input_ids: torch.Tensor, max_new_tokens: int = REFERENCE
     return out[0, input_ids.shape[1]:].tolist()
 
 
-def explain_mismatch(backbone, input_ids: torch.Tensor, ours: list[int], reference: list[int]) -> str:
-    """Name the first divergence and the backbone's top-2 logit gap there (a near tie is a float effect)."""
+def first_difference(backbone, input_ids: torch.Tensor, ours: list[int], reference: list[int]
+                     ) -> tuple[int, float, list[int]]:
+    """-> (the first new token where `ours` leaves `reference`, the backbone's top-2 logit gap there, its top-2
+    tokens); a near tie there is a float effect."""
     i = next(k for k, (a, b) in enumerate(zip(ours + [-1], reference + [-2])) if a != b)
     context = torch.cat([input_ids[0], torch.tensor(reference[:i], dtype=torch.long)])[None]
     with torch.no_grad():
-        logits = backbone(context).logits[0, -1]
-    top = logits.topk(2)
+        top = backbone(context).logits[0, -1].topk(2)
+    return i, float(top.values[0] - top.values[1]), top.indices.tolist()
+
+
+def explain_mismatch(backbone, input_ids: torch.Tensor, ours: list[int], reference: list[int]) -> str:
+    i, gap, top = first_difference(backbone, input_ids, ours, reference)
     return (f"first difference at new token {i}: ours {ours[i:i + 1]}, HF {reference[i:i + 1]}; "
-            f"top-2 logit gap there {float(top.values[0] - top.values[1]):.2e} (tokens {top.indices.tolist()})")
+            f"top-2 logit gap there {gap:.2e} (tokens {top})")
 
 
 def decode(model, input_ids: torch.Tensor, drafter, acceptance=None, max_new_tokens: int = REFERENCE_TOKENS,
@@ -42,6 +48,23 @@ def assert_exact(model, backbone, references, drafter, new_tokens: int = REFEREN
         ours = decode(model, ids, drafter, max_new_tokens=new_tokens, stats=stats)
         expected = reference[:new_tokens]
         assert ours == expected, explain_mismatch(backbone, ids, ours, expected)
+        all_stats.append(stats)
+    return all_stats
+
+
+def assert_greedy_up_to_rounding(model, backbone, references, drafter, new_tokens: int,
+                                 max_gap: float) -> list[GenerationStats]:
+    """`assert_exact` for a backbone that rounds its activations to bf16 (int4 weights): there a different summation
+    order upstream (our tree attention, HF's own) can flip a rounding, so ours may leave HF's output, but only at a
+    near tie, where the reference's two best logits are within `max_gap`."""
+    all_stats = []
+    for ids, reference in references:
+        stats = GenerationStats()
+        ours = decode(model, ids, drafter, max_new_tokens=new_tokens, stats=stats)
+        expected = reference[:new_tokens]
+        if ours != expected:
+            assert first_difference(backbone, ids, ours, expected)[1] < max_gap, \
+                explain_mismatch(backbone, ids, ours, expected)
         all_stats.append(stats)
     return all_stats
 

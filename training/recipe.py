@@ -19,7 +19,7 @@ class TrainConfig:
     model: str = "smollm2-135m-embedded"  # hub id, folder, or the embedded default
     backbone_dtype: str = "bfloat16"  # the frozen backbone's dtype while making hidden states (bf16: several times
     # faster to make on a CPU)
-    quantize: str = "none"  # int8: the heads learn the hidden states of the int8 backbone (medusa_heads/quantize.py)
+    quantize: str = "none"  # int8 or int4: the heads learn that backbone's hidden states (medusa_heads/quantize.py)
     # data
     data: str = "training/data/distilled.jsonl"  # jsonl/json/parquet file or folder, or a hub dataset name
     max_length: int = 512  # tokens per conversation; longer ones are truncated (and counted in the log)

@@ -16,7 +16,8 @@ from medusa_heads.quantize import QUANTIZATIONS
 from .bench import method_syntax
 
 
-QUANTIZE_HELP = "int8: the backbone's decoder computes with int8 weights (CPU only; docs/benchmarks.md)"
+QUANTIZE_HELP = ("int8 or int4: the backbone's decoder computes with int8 weights, or 4-bit ones in groups of 32 "
+                 "(bf16 activations) (CPU only; docs/benchmarks.md)")
 
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
