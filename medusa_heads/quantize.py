@@ -45,7 +45,32 @@ GROUP_SIZE = 32  # int4: inputs per scale and zero point
 INNER_K_TILES = 2  # int4: the packing torch's CPU kernel is given
 
 
-class Int8Linear(nn.Module):
+class QuantizedLinear(nn.Module):
+    """A frozen linear layer whose weight is quantized: below `DEQUANTIZED_ROWS` rows a subclass's `kernel`
+    computes, from there the weight is de-quantised for the call (`dequantized`)."""
+
+    bias: torch.Tensor | None
+    in_features: int
+    out_features: int
+
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] >= DEQUANTIZED_ROWS:
+            out = F.linear(rows, self.dequantized(x.dtype))
+        else:
+            out = self.kernel(rows)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(QuantizedLinear):
     """A frozen linear layer with int8 weights [out, in] and a scale per output row."""
 
     def __init__(self, linear: nn.Linear):
@@ -61,21 +86,14 @@ class Int8Linear(nn.Module):
         """The weight this layer computes with, [out, in] in `dtype`."""
         return (self.qweight.to(self.scales.dtype) * self.scales[:, None]).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] >= DEQUANTIZED_ROWS:
-            out = F.linear(rows, self.dequantized(x.dtype))
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.qweight, self.scales)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
     """A frozen linear layer with 4-bit weights [out, in], in groups of `GROUP_SIZE` inputs that each have a scale
     and a zero point: weight = (code - 8) * scale + zero."""
 
@@ -102,16 +120,9 @@ class Int4Linear(nn.Module):
         weight = (codes.float() - 8) * scale[..., None] + zero[..., None]
         return weight.reshape(self.out_features, self.in_features).to(dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] >= DEQUANTIZED_ROWS:
-            out = F.linear(rows, self.dequantized(x.dtype))
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.packed, GROUP_SIZE,
-                                                              self.scales_and_zeros).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+    def kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(torch.bfloat16), self.packed, GROUP_SIZE,
+                                                          self.scales_and_zeros).to(rows.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 (groups of {GROUP_SIZE})"
@@ -132,7 +143,7 @@ def check_quantize(name: str, device: torch.device | str = "cpu") -> str:
     return name
 
 
-def kernel_slowdown(layer: Int8Linear | Int4Linear, dtype: torch.dtype, repeats: int = 7) -> float:
+def kernel_slowdown(layer: QuantizedLinear, dtype: torch.dtype, repeats: int = 7) -> float:
     """How many times longer one row in `dtype` takes through `layer`'s quantized kernel than through its float
     weight (the median of `repeats` timings each, after a warm-up): above 1 this CPU has no fast kernel for it."""
     x = torch.randn(1, layer.in_features, dtype=dtype)
