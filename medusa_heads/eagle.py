@@ -6,9 +6,13 @@ Medusa heads it sees the whole context through its own KV cache. Drafting d deep
 back in place of the backbone's: entry d of a draft path reads (predicted f, drafted token).
 """
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers import AutoConfig, AutoModel, PreTrainedConfig, PreTrainedModel
+from transformers import AttentionInterface, AutoConfig, AutoModel, PreTrainedConfig, PreTrainedModel
 
 from .config import MedusaConfig
 from .heads import DraftHeads
@@ -40,6 +44,20 @@ class ContextDrafter(DraftHeads):
         if config.decoder_config is None:
             raise ValueError(f"`head_type={cls.head_type!r}` needs a `decoder_config` (the one-layer decoder's "
                              "config).")
+
+    @contextmanager
+    def unrolled(self) -> Iterator[None]:
+        """Within it, the drafter's attention computes the training layout of `unrolled_mask` (whatever 4D mask
+        it is given) with `unrolled_attention`, at the cost of one causal attention instead of `level` of them."""
+        configs = {id(m.config): m.config for m in self.modules() if type(m).__name__.endswith("Attention")}
+        before = {key: config._attn_implementation for key, config in configs.items()}
+        for config in configs.values():
+            config._attn_implementation = UNROLLED
+        try:
+            yield
+        finally:
+            for key, config in configs.items():
+                config._attn_implementation = before[key]
 
 
 class EagleHead(ContextDrafter):
@@ -123,3 +141,40 @@ def unrolled_mask(level: int, length: int, device: torch.device | str = "cpu") -
     blocks = [t[None, :] <= (t[:, None] - level + 1)]
     blocks += [t[None, :] == (t[:, None] - (level - i)) for i in range(2, level + 1)]
     return torch.cat(blocks, dim=1)
+
+
+def unrolled_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                       attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0,
+                       **kwargs) -> tuple[torch.Tensor, None]:
+    r"""
+    Attention over `unrolled_mask(level, n)` without the mask (a transformers attention function, registered as
+    "medusa_unrolled"): query [B, h, n, d], key and value [B, h_kv, level * n, d] -> [B, n, h, d].
+
+    Level 1's keys are a causal block shifted by level - 1; each later level i adds one key per query, the one
+    at t - (level - i), a dot product along a diagonal. So the cost is one causal attention over n keys and
+    level - 1 products a query, where a masked attention over all level * n keys costs `level` of them.
+    """
+    B, h, n, d = query.shape
+    kv_heads, level = key.shape[1], key.shape[2] // n
+    if key.shape[2] != level * n or (attention_mask is not None and attention_mask.shape[-1] != key.shape[2]):
+        raise ValueError(f"unrolled attention expects level x {n} keys, got {key.shape[2]}")
+    q = query.view(B, kv_heads, h // kv_heads, n, d)  # grouped query heads share their key/value head
+    k, v = key[:, :, None], value[:, :, None]  # [B, h_kv, 1, level * n, d]
+    t = torch.arange(n, device=query.device)
+    scores = [(q @ k[..., :n, :].transpose(-1, -2)).masked_fill(t[None, :] > t[:, None] - level + 1, float("-inf"))]
+    shifted = []
+    for i in range(2, level + 1):
+        shift = level - i  # query t sees level i's key at t - shift
+        k_i = F.pad(k[..., (i - 1) * n : i * n - shift, :], (0, 0, shift, 0))
+        shifted.append(F.pad(v[..., (i - 1) * n : i * n - shift, :], (0, 0, shift, 0)))
+        scores.append((q * k_i).sum(-1, keepdim=True).masked_fill((t < shift)[:, None], float("-inf")))
+    weights = torch.softmax(torch.cat(scores, dim=-1) * scaling, dim=-1,
+                            dtype=torch.promote_types(query.dtype, torch.float32)).to(query.dtype)
+    out = weights[..., :n] @ v[..., :n, :]
+    for i, v_i in enumerate(shifted):
+        out = out + weights[..., n + i, None] * v_i
+    return out.reshape(B, h, n, d).transpose(1, 2).contiguous(), None
+
+
+UNROLLED = "medusa_unrolled"
+AttentionInterface.register(UNROLLED, unrolled_attention)

@@ -8,6 +8,7 @@ import torch
 
 from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward
+from medusa_heads.eagle import unrolled_attention, unrolled_mask
 from medusa_heads.inference import DecodeState, EagleDrafter, MedusaDrafter, make_drafter
 from medusa_heads.model import SHIPPED_HEADS, load_heads, untrained_heads
 from medusa_heads.training.recipe import TrainConfig
@@ -33,6 +34,31 @@ def test_training_unroll_predicts_what_drafting_drafts(eagle_model, references):
     for ids, _ in references[:2]:
         unrolled, drafted = unrolled_and_drafted(eagle_model, ids, chain, cfg)
         assert unrolled == drafted
+
+
+@pytest.mark.parametrize("level", [1, 2, 4])
+def test_unrolled_attention_is_attention_under_the_unrolled_mask(level):
+    """The training unroll's attention without the mask: values and gradients of SDPA over `unrolled_mask`, with
+    grouped query heads (6 query heads over 2 key/value heads)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Attention(torch.nn.Module):
+        is_causal, num_key_value_groups = False, 3
+
+    torch.manual_seed(level)
+    n = 9
+    q = torch.randn(2, 6, n, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, level * n, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, level * n, 8, dtype=torch.float64, requires_grad=True)
+    mask = unrolled_mask(level, n)[None, None].expand(2, 1, n, level * n)
+    outputs, grads = [], []
+    for attention in (sdpa_attention_forward, unrolled_attention):
+        out, _ = attention(Attention(), q, k, v, mask, scaling=0.35)
+        outputs.append(out)
+        grads.append(torch.autograd.grad((out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum(), (q, k, v)))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=0, atol=1e-12)
+    for ours, reference in zip(grads[1], grads[0]):
+        torch.testing.assert_close(ours, reference, rtol=0, atol=1e-12)
 
 
 class Recorder:

@@ -98,7 +98,7 @@ BAD_VALUES = [
     ("weight_decay", {"weight_decay": -0.1}), ("warmup_steps", {"warmup_steps": -1}),
     ("warmup_steps", {"warmup_steps": 60, "max_steps": 40}), ("max_steps", {"max_steps": 0}),
     ("max_minutes", {"max_minutes": 0.0}), ("max_minutes", {"max_minutes": "soon"}),
-    ("min_lr_ratio", {"min_lr_ratio": 1.5}), ("batch_size", {"batch_size": 0}),
+    ("min_lr_ratio", {"min_lr_ratio": 1.5}), ("batch_size", {"batch_size": 0}), ("length_window", {"length_window": 0}),
     ("gradient_accumulation_steps", {"gradient_accumulation_steps": 0}), ("grad_clip", {"grad_clip": -1.0}),
     ("mixed_precision", {"mixed_precision": "fp8"}),
     ("medusa2", {"medusa2": True, "cache_hidden_states": False, "head_type": "eagle"}),
@@ -166,13 +166,31 @@ def test_a_run_out_of_time_stops_evaluates_and_saves_with_its_schedule_ended(tin
     assert (tmp_path / "run" / "heads" / "head_accuracies.json").exists()
 
 
-def test_processes_take_disjoint_micro_batches_of_one_shared_order():
-    cfg = load_recipe(None, {"batch_size": 4, "seed": 3})
-    assert [micro_batch(cfg, 26, p, 1, 0) for p in range(6)] == batch_order(26, 4, 0, 3)  # 6 batches an epoch
+@pytest.mark.parametrize("window", [1, 3])
+def test_processes_take_disjoint_micro_batches_of_one_shared_order(window):
+    cfg = load_recipe(None, {"batch_size": 4, "seed": 3, "length_window": window})
+    lengths = [(7 * i) % 26 + 1 for i in range(26)]
+    order = batch_order(lengths, 4, 0, 3, window)
+    assert [micro_batch(cfg, lengths, p, 1, 0) for p in range(6)] == order  # 6 batches an epoch
     for world in (2, 3):
-        taken = [i for p in range(6 // world) for rank in range(world) for i in micro_batch(cfg, 26, p, world, rank)]
+        taken = [i for p in range(6 // world) for rank in range(world)
+                 for i in micro_batch(cfg, lengths, p, world, rank)]
         assert len(taken) == len(set(taken)) == 24  # one epoch: every batch once, by one process
-    assert micro_batch(cfg, 26, 3, 2, 0) == batch_order(26, 4, 1, 3)[0]  # then the next epoch's order
+    assert micro_batch(cfg, lengths, 3, 2, 0) == batch_order(lengths, 4, 1, 3, window)[0]  # then the next epoch's
+    assert batch_order(lengths, 4, 1, 3, window) != order
+
+
+def test_length_windows_cut_padding_and_keep_batches_random():
+    lengths = torch.randint(20, 500, (960,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def padded(order):  # tokens a step computes: every row padded to its batch's longest
+        return sum(len(batch) * max(lengths[i] for i in batch) for batch in order)
+
+    plain, grouped = batch_order(lengths, 8, 0, 1), batch_order(lengths, 8, 0, 1, window=16)
+    assert sorted(i for b in grouped for i in b) == list(range(960))
+    assert padded(grouped) < 0.75 * padded(plain)
+    firsts = [min(lengths[i] for i in batch) for batch in grouped[:10]]
+    assert firsts != sorted(firsts)  # the batches themselves are shuffled, not served short to long
 
 
 @pytest.mark.slow  # a training run of half a minute or more

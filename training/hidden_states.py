@@ -33,9 +33,11 @@ def pad_batch(examples: list[Example], pad_id: int = 0) -> tuple[torch.Tensor, t
 
 @torch.no_grad()
 def compute_hidden(backbone, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, T] -> last hidden states [B, T, H] (no KV cache: one full forward)."""
+    """[B, T] -> last hidden states [B, T, H] (no KV cache: one full forward; logits at the last position only, the
+    full-vocabulary projection of every position would add a fifth to the cost on a small backbone)."""
     device = backbone.device
-    _, hidden = backbone_forward(backbone, input_ids.to(device), None, attention_mask=attention_mask.to(device))
+    _, hidden = backbone_forward(backbone, input_ids.to(device), None, attention_mask=attention_mask.to(device),
+                                 logits_to_keep=1)
     return hidden
 
 

@@ -20,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 from transformers import DynamicCache, PreTrainedModel
 
-from medusa_heads.backbone import backbone_forward, load_backbone, load_tokenizer, tap_features
+from medusa_heads.backbone import backbone_forward, load_backbone, load_tokenizer, parse_dtype, tap_features
 from medusa_heads.eagle import unrolled_mask
 from medusa_heads.errors import MedusaError
 from medusa_heads.head_types import head_type_class
@@ -51,9 +51,20 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
     return cfg.learning_rate * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def batch_order(n_examples: int, batch_size: int, epoch: int, seed: int) -> list[list[int]]:
-    perm = torch.randperm(n_examples, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).tolist()
-    return [perm[i : i + batch_size] for i in range(0, n_examples - batch_size + 1, batch_size)] or [perm]
+def batch_order(lengths: list[int], batch_size: int, epoch: int, seed: int, window: int = 1) -> list[list[int]]:
+    """One epoch's micro-batches of conversation indices: a shuffle cut into batches, the last partial one dropped.
+    With `window` > 1 (`length_window`) each run of `window` batches of the shuffle is sorted by length before it
+    is cut, and the batches are shuffled again: a batch holds conversations of like length, so little of it is
+    padding, and is still a random draw from its window."""
+    generator = torch.Generator().manual_seed(seed * 1000 + epoch)
+    perm = torch.randperm(len(lengths), generator=generator).tolist()
+    if window > 1:
+        span = window * batch_size
+        perm = [i for s in range(0, len(perm), span) for i in sorted(perm[s : s + span], key=lambda i: lengths[i])]
+    batches = [perm[i : i + batch_size] for i in range(0, len(perm) - batch_size + 1, batch_size)] or [perm]
+    if window > 1:
+        batches = [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+    return batches
 
 
 def heads_forward(heads, lm_head, embed, hidden, input_ids, loss_mask, cfg: TrainConfig, vocab_index=None):
@@ -105,17 +116,18 @@ def eagle_forward(drafter, lm_head, embed, hidden, input_ids, loss_mask, cfg: Tr
     else:
         labels = draft_labels(F.pad(input_ids[:, 2:], (0, 1))[where], vocab_index)
     cache, logits, level_labels, out = DynamicCache(), [], [], None
-    for level in range(1, levels + 1):
-        features = hidden[:, :-1].to(dtype) if level == 1 else F.pad(out[:, :-1], (0, 0, 1, 0))
-        mask = unrolled_mask(level, n, device)[None, None].expand(B, 1, n, level * n)
-        out = drafter(features, token_embeds, positions, mask, cache)
-        if not aligned:
-            logits.append(raw.project(level - 1, out[where], lm_head))
-            continue
-        at = first + level - 1
-        logits.append(raw.project(level - 1, out[rows, at.clamp(max=n - 1)], lm_head))
-        scored = (at < n - 1) & later[1][rows, at]
-        level_labels.append(torch.where(scored, draft_labels(later[0][rows, at], vocab_index), -100))
+    with raw.unrolled():
+        for level in range(1, levels + 1):
+            features = hidden[:, :-1].to(dtype) if level == 1 else F.pad(out[:, :-1], (0, 0, 1, 0))
+            mask = unrolled_mask(level, n, device)[None, None].expand(B, 1, n, level * n)
+            out = drafter(features, token_embeds, positions, mask, cache)
+            if not aligned:
+                logits.append(raw.project(level - 1, out[where], lm_head))
+                continue
+            at = first + level - 1
+            logits.append(raw.project(level - 1, out[rows, at.clamp(max=n - 1)], lm_head))
+            scored = (at < n - 1) & later[1][rows, at]
+            level_labels.append(torch.where(scored, draft_labels(later[0][rows, at], vocab_index), -100))
     if aligned:
         return logits, level_labels, None
     teachers = None
@@ -159,6 +171,10 @@ class Data:
     held_out: list[Example]
     tree_paths: tuple | None  # the validated paths of `cfg.tree`
     draft_vocab: torch.Tensor | None  # token ids the heads guess among (None: all)
+
+    @property
+    def train_lengths(self) -> list[int]:
+        return [len(e.input_ids) for e in self.train_set]
 
 
 @dataclass
@@ -316,7 +332,7 @@ def draft_index(draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tens
 def prepare_run(cfg: TrainConfig, accelerator: Accelerator, data: Data, backbone: nn.Module, heads: nn.Module,
                 lm_head: nn.Module, embed: nn.Module | None) -> Run:
     """Models on the device, the optimizer, accelerate's wrappers, the trackers and the hidden-state caches."""
-    if len(batch_order(len(data.train_set), cfg.batch_size, 0, cfg.seed)) < accelerator.num_processes:
+    if max(len(data.train_set) // cfg.batch_size, 1) < accelerator.num_processes:
         raise MedusaError(f"Only {len(data.train_set)} training conversations for {accelerator.num_processes} "
                           f"processes with `batch_size` {cfg.batch_size}: each process needs a batch of its own.")
     device = accelerator.device
@@ -356,12 +372,12 @@ def cache_hidden_states(run: Run) -> tuple[HiddenStateCache, HiddenStateCache | 
     return train_cache, held_cache
 
 
-def micro_batch(cfg: TrainConfig, n_train: int, position: int, world: int, rank: int) -> list[int]:
-    """The conversations of this process's micro-batch number `position`: process `rank` takes every
-    world-th batch of the order all processes share, epoch after epoch."""
-    per_epoch = max(len(batch_order(n_train, cfg.batch_size, 0, cfg.seed)) // world, 1)
+def micro_batch(cfg: TrainConfig, lengths: list[int], position: int, world: int, rank: int) -> list[int]:
+    """The conversations of this process's micro-batch number `position` (`lengths`: every training conversation's
+    token count): process `rank` takes every world-th batch of the order all processes share, epoch after epoch."""
+    per_epoch = max(len(lengths) // cfg.batch_size // world, 1)
     epoch, index = divmod(position, per_epoch)
-    return batch_order(n_train, cfg.batch_size, epoch, cfg.seed)[index * world + rank]
+    return batch_order(lengths, cfg.batch_size, epoch, cfg.seed, cfg.length_window)[index * world + rank]
 
 
 def batch_inputs(run: Run, examples: list[Example], indices: list[int],
@@ -418,7 +434,7 @@ def train_step(run: Run, step: int) -> tuple[float, list[float], int]:
     cfg, accelerator = run.cfg, run.accelerator
     tokens = 0
     for micro in range(cfg.gradient_accumulation_steps):
-        indices = micro_batch(cfg, len(run.data.train_set), step * cfg.gradient_accumulation_steps + micro,
+        indices = micro_batch(cfg, run.data.train_lengths, step * cfg.gradient_accumulation_steps + micro,
                               accelerator.num_processes, accelerator.process_index)
         with accelerator.accumulate(run.heads), accelerator.autocast():
             loss, per_head = batch_loss(run, indices, step)
@@ -446,8 +462,9 @@ def evaluate(run: Run) -> dict:
     counts = torch.zeros(cfg.num_heads, dtype=torch.long)
     walk_hits, walk_counts = torch.zeros_like(hits), torch.zeros_like(counts)
     steps = committed = 0
+    by_length = sorted(range(len(data.held_out)), key=lambda i: len(data.held_out[i].input_ids))  # little padding
     for b in range(0, len(data.held_out), cfg.batch_size):
-        idx = list(range(b, min(b + cfg.batch_size, len(data.held_out))))
+        idx = by_length[b : b + cfg.batch_size]
         hidden, ids, mask = batch_inputs(run, data.held_out, idx, run.held_cache)
         with run.accelerator.autocast():
             logits, targets, _ = draft_forward(run, run.raw_heads, hidden, ids, mask, aligned=True)
@@ -614,7 +631,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     trackers = check_setup(cfg)
     # Backbone (frozen), data and heads, made before the Accelerator: under ZeRO-3 anything built after it
     # is partitioned on construction, and the frozen backbone must stay whole.
-    backbone = load_backbone(cfg.model, dtype=cfg.backbone_dtype)
+    backbone = load_backbone(cfg.model, dtype=parse_dtype(cfg.backbone_dtype, torch.accelerator.current_accelerator() or "cpu"))
     quantize_backbone(backbone, cfg.quantize)
     data = prepare_data(cfg, backbone, load_tokenizer(cfg.model))
     heads, lm_head, embed = build_heads(cfg, backbone, data.draft_vocab)
