@@ -60,7 +60,7 @@ class TrainConfig:
     # (1: a plain shuffle); on the EAGLE-3 recipe's data 16 halved the padded tokens a step
     gradient_accumulation_steps: int = 1
     grad_clip: float = 1.0  # max gradient norm; 0: no clipping
-    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate)
+    mixed_precision: str = "no"  # no | bf16 | fp16 (accelerate) | auto: bf16 where the device computes in it natively
     # Medusa-2: LoRA adapters on the backbone train with the heads; the backbone keeps close to its original
     # self by KL to the same model with the adapters disabled (no second copy in memory)
     medusa2: bool = False
@@ -109,8 +109,8 @@ class TrainConfig:
         _require(self.loss in ("ce", "kl"), "loss", "must be ce or kl", self.loss)
         _require(self.loss_weighting in ("decay", "acceptance", "tree"), "loss_weighting",
                  "must be decay, acceptance or tree", self.loss_weighting)
-        _require(self.mixed_precision in ("no", "bf16", "fp16"), "mixed_precision", "must be no, bf16 or fp16",
-                 self.mixed_precision)
+        _require(self.mixed_precision in ("no", "bf16", "fp16", "auto"), "mixed_precision",
+                 "must be no, bf16, fp16 or auto", self.mixed_precision)
         for name in ("max_length", "num_heads", "max_steps", "batch_size", "length_window", "gradient_accumulation_steps",
                      "lora_r", "lora_alpha", "checkpoint_every", "eval_every", "log_every", "top_k"):
             _require(getattr(self, name) >= 1, name, "must be at least 1", getattr(self, name))

@@ -278,6 +278,11 @@ def add_adapters(cfg: TrainConfig, backbone: PreTrainedModel) -> PreTrainedModel
     return get_peft_model(backbone, lora)
 
 
+def training_device() -> torch.device:
+    """The device accelerate will train on: the machine's accelerator, else the CPU."""
+    return torch.accelerator.current_accelerator() or torch.device("cpu")
+
+
 def make_accelerator(cfg: TrainConfig, trackers: list[str] | None) -> Accelerator:
     """An Accelerator over every launched process (DeepSpeed when configured); a process left alone is an error."""
     if cfg.deepspeed_config and "RANK" not in os.environ:
@@ -290,7 +295,10 @@ def make_accelerator(cfg: TrainConfig, trackers: list[str] | None) -> Accelerato
     # each launched process alone (world size 1): cpu=True joins them over gloo (MULTI_CPU); under DeepSpeed, which
     # cpu=True would switch off, naming gloo does.
     handlers = [InitProcessGroupKwargs(backend="gloo")] if plugin is not None and on_cpu else None
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, deepspeed_plugin=plugin,
+    mixed = cfg.mixed_precision
+    if mixed == "auto":  # emulated bf16 (a CPU without AMX or AVX512-BF16) is several times slower than fp32
+        mixed = "bf16" if parse_dtype("auto", training_device()) == torch.bfloat16 else "no"
+    accelerator = Accelerator(mixed_precision=mixed, deepspeed_plugin=plugin,
                               gradient_accumulation_steps=cfg.gradient_accumulation_steps,
                               cpu=plugin is None and on_cpu, kwargs_handlers=handlers,
                               log_with=trackers, project_dir=cfg.output_dir)
@@ -563,8 +571,9 @@ def fit_to_budget(run: Run, step: int, first: int, t0: float, planned: int) -> N
     if run.accelerator.num_processes > 1:
         broadcast_object_list(fitted)
     if fitted[0] != run.cfg.max_steps:
-        logger.info("max_minutes %g: %d steps fit at this pace (max_steps was %d)", run.cfg.max_minutes, fitted[0],
-                    run.cfg.max_steps)
+        small = abs(fitted[0] - run.cfg.max_steps) <= 0.02 * run.cfg.max_steps  # the pace wobbles a little
+        logger.log(logging.DEBUG if small else logging.INFO, "max_minutes %g: %d steps fit at this pace (max_steps "
+                   "was %d)", run.cfg.max_minutes, fitted[0], run.cfg.max_steps)
         run.cfg.max_steps = fitted[0]
 
 
@@ -631,7 +640,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     trackers = check_setup(cfg)
     # Backbone (frozen), data and heads, made before the Accelerator: under ZeRO-3 anything built after it
     # is partitioned on construction, and the frozen backbone must stay whole.
-    backbone = load_backbone(cfg.model, dtype=parse_dtype(cfg.backbone_dtype, torch.accelerator.current_accelerator() or "cpu"))
+    backbone = load_backbone(cfg.model, dtype=parse_dtype(cfg.backbone_dtype, training_device()))
     quantize_backbone(backbone, cfg.quantize)
     data = prepare_data(cfg, backbone, load_tokenizer(cfg.model))
     heads, lm_head, embed = build_heads(cfg, backbone, data.draft_vocab)
