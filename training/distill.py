@@ -54,7 +54,7 @@ def done_ids(out: Path) -> set[str]:
 class Writer:
     """The backbone continuing batches of conversations (left-padded batched `generate`)."""
 
-    def __init__(self, model: str = EMBEDDED_MODEL, dtype: str = "bfloat16", device: str = "cpu",
+    def __init__(self, model: str = EMBEDDED_MODEL, dtype: str = "auto", device: str = "cpu",
                  quantize: str = "none"):
         self.tokenizer = load_tokenizer(model)
         self.tokenizer.padding_side = "left"
@@ -95,7 +95,7 @@ def append_rows(f, rows: list[dict]) -> None:
 
 
 def distill(prompts: Path, out: Path, model: str = EMBEDDED_MODEL, batch_size: int = 32, max_new_tokens: int = 256,
-            temperature: float = 0.0, dtype: str = "bfloat16", device: str = "cpu", limit: int | None = None,
+            temperature: float = 0.0, dtype: str = "auto", device: str = "cpu", limit: int | None = None,
             seed: int = 0, quantize: str = "none", top_p: float = 1.0) -> int:
     """`temperature` > 0: sampled answers (with `top_p`); `quantize`: answers of the backbone with int8 weights."""
     rows = read_prompts(prompts)[:limit]

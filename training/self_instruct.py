@@ -74,7 +74,7 @@ def listed_items(continuation: str) -> list[str]:
 
 def self_instruct(out: Path, count: int, model: str = EMBEDDED_MODEL, exclude: Path | None = None,
                   seeds: Path = SHIPPED, batch_size: int = 32, max_new_tokens: int = 96, temperature: float = 1.0,
-                  top_p: float = 0.95, seed: int = 0, dtype: str = "bfloat16", device: str = "cpu") -> int:
+                  top_p: float = 0.95, seed: int = 0, dtype: str = "auto", device: str = "cpu") -> int:
     """Append prompts to `out` until it holds `count`; returns how many were added."""
     seed_rows = [row for _, row in read_jsonl(seeds, "Seed prompt file", "prompt", str)]
     banned = [row["prompt"] for _, row in read_jsonl(exclude, "Excluded prompt file", "prompt", str)] \

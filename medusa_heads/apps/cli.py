@@ -83,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--limit", type=int, help="answer only the first N prompts")
     d.add_argument("--seed", type=int, default=0)
     _add_runtime_args(d)
-    d.set_defaults(dtype="bfloat16")
+    d.set_defaults(dtype="auto")  # batched generation: bf16 where native (emulated bf16 is several times slower)
     si = sub.add_parser("self-instruct", help="let the backbone write new prompts, continuing lists of the shipped "
                         "ones; near copies and any overlap with --exclude are dropped (resumable)")
     si.add_argument("--out", type=Path, required=True, help="jsonl of prompts to append to")
@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     si.add_argument("--temperature", type=float, default=1.0)
     si.add_argument("--seed", type=int, default=0)
     _add_runtime_args(si)
-    si.set_defaults(dtype="bfloat16")
+    si.set_defaults(dtype="auto")
     fu = sub.add_parser("follow-ups", help="two-turn conversations from distilled answers, ending in a follow-up "
                         "request, for `distill` to answer")
     fu.add_argument("answers", type=Path, help="a `distill` output")
