@@ -10,6 +10,7 @@ import shutil
 import socket
 import time
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -49,6 +50,11 @@ def get_lr(step: int, cfg: TrainConfig) -> float:
         return cfg.learning_rate * cfg.min_lr_ratio
     progress = (step - cfg.warmup_steps) / max(cfg.max_steps - cfg.warmup_steps, 1)
     return cfg.learning_rate * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def batches_per_epoch(n_examples: int, batch_size: int) -> int:
+    """How many micro-batches `batch_order` cuts an epoch into: full ones, or one short batch of everything."""
+    return max(n_examples // batch_size, 1)
 
 
 def batch_order(lengths: list[int], batch_size: int, epoch: int, seed: int, window: int = 1) -> list[list[int]]:
@@ -172,7 +178,7 @@ class Data:
     tree_paths: tuple | None  # the validated paths of `cfg.tree`
     draft_vocab: torch.Tensor | None  # token ids the heads guess among (None: all)
 
-    @property
+    @cached_property  # read every step to order the batches
     def train_lengths(self) -> list[int]:
         return [len(e.input_ids) for e in self.train_set]
 
@@ -340,7 +346,7 @@ def draft_index(draft_vocab: torch.Tensor | None, vocab_size: int) -> torch.Tens
 def prepare_run(cfg: TrainConfig, accelerator: Accelerator, data: Data, backbone: nn.Module, heads: nn.Module,
                 lm_head: nn.Module, embed: nn.Module | None) -> Run:
     """Models on the device, the optimizer, accelerate's wrappers, the trackers and the hidden-state caches."""
-    if max(len(data.train_set) // cfg.batch_size, 1) < accelerator.num_processes:
+    if batches_per_epoch(len(data.train_set), cfg.batch_size) < accelerator.num_processes:
         raise MedusaError(f"Only {len(data.train_set)} training conversations for {accelerator.num_processes} "
                           f"processes with `batch_size` {cfg.batch_size}: each process needs a batch of its own.")
     device = accelerator.device
@@ -383,7 +389,7 @@ def cache_hidden_states(run: Run) -> tuple[HiddenStateCache, HiddenStateCache | 
 def micro_batch(cfg: TrainConfig, lengths: list[int], position: int, world: int, rank: int) -> list[int]:
     """The conversations of this process's micro-batch number `position` (`lengths`: every training conversation's
     token count): process `rank` takes every world-th batch of the order all processes share, epoch after epoch."""
-    per_epoch = max(len(lengths) // cfg.batch_size // world, 1)
+    per_epoch = max(batches_per_epoch(len(lengths), cfg.batch_size) // world, 1)
     epoch, index = divmod(position, per_epoch)
     return batch_order(lengths, cfg.batch_size, epoch, cfg.seed, cfg.length_window)[index * world + rank]
 
