@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
 from medusa_heads.backbone import backbone_forward, cache_home
@@ -46,17 +47,53 @@ def example_hash(example: Example) -> str:
     return hashlib.sha256(json.dumps(example.input_ids).encode()).hexdigest()
 
 
-def cache_key(model: str, examples: list[Example], dtype: torch.dtype) -> str:
-    """The same examples in any order (another split or shuffle) give the same key."""
-    digest = hashlib.sha256(json.dumps([model, str(dtype)]).encode())
-    for h in sorted({example_hash(e) for e in examples}):
+def set_key(hashes: list[str]) -> str:
+    """One name for a set of example hashes, whatever their order."""
+    digest = hashlib.sha256()
+    for h in sorted(set(hashes)):
         digest.update(h.encode())
     return digest.hexdigest()[:20]
 
 
+def backbone_key(model: str, dtype: torch.dtype) -> str:
+    """Which backbone made the states: its name (with its taps and quantisation) and dtype."""
+    return hashlib.sha256(json.dumps([model, str(dtype)]).encode()).hexdigest()[:12]
+
+
+def read_shards(folder: Path, backbone: str, wanted: set[str]) -> dict[str, torch.Tensor]:
+    """The states of the `wanted` examples that some shard of this backbone in `folder` holds, by example hash.
+    A shard that cannot be read is skipped with a warning: its examples are computed again."""
+    found: dict[str, torch.Tensor] = {}
+    for path in sorted(folder.glob(f"{backbone}-*.safetensors")):
+        try:
+            with safe_open(path, framework="pt") as f:
+                hashes = json.loads(f.metadata()["examples"])
+                take = [(i, h) for i, h in enumerate(hashes) if h in wanted and h not in found]
+                if not take:
+                    continue
+                ends = f.get_tensor("lengths").cumsum(0).tolist()
+                rows = f.get_slice("hidden")
+                for i, h in take:
+                    found[h] = rows[ends[i - 1] if i else 0 : ends[i]]
+        except (OSError, ValueError, KeyError, SafetensorError) as err:
+            logger.warning("skipping unreadable hidden-state shard %s (%s)", path, err)
+    return found
+
+
+def write_shard(path: Path, hashes: list[str], states: list[torch.Tensor]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes building the same shard do not collide
+    lengths = torch.tensor([s.shape[0] for s in states])
+    save_file({"hidden": torch.cat(states).contiguous(), "lengths": lengths}, tmp,
+              metadata={"examples": json.dumps(hashes)})
+    tmp.replace(path)
+    logger.info("cached hidden states of %d conversations (%d tokens) in %s", len(hashes), int(lengths.sum()), path)
+
+
 class HiddenStateCache:
-    """Per example, its hidden states [T_i, H] in the backbone's dtype; built in batches, stored as safetensors.
-    The file holds each distinct example once, in the order of their hashes, so any order of them finds it."""
+    """Per example, its hidden states [T_i, H] in the backbone's dtype, kept on disk in shards (safetensors, each
+    listing its examples' hashes). Any order of the same examples finds them; a grown data set computes only the
+    conversations no shard holds, and stores them as one more shard."""
 
     def __init__(self, states: list[torch.Tensor]):
         self.states = states
@@ -66,22 +103,16 @@ class HiddenStateCache:
               folder: Path | None = None) -> "HiddenStateCache":
         hashes = [example_hash(e) for e in examples]
         distinct = dict(zip(hashes, examples))  # repeated conversations are computed and stored once
-        keys = sorted(distinct)
-        path = (folder or cache_home() / "hidden") / f"{cache_key(model_name, examples, backbone.dtype)}.safetensors"
-        if path.exists():
-            logger.info("reusing cached hidden states %s", path)
-            flat = load_file(path)
-            stored = list(torch.split(flat["hidden"], flat["lengths"].tolist()))
-        else:
-            stored = cls._compute(backbone, [distinct[h] for h in keys], batch_size)
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")  # processes building the same cache do not collide
-            lengths = torch.tensor([s.shape[0] for s in stored])
-            save_file({"hidden": torch.cat(stored).contiguous(), "lengths": lengths}, tmp)
-            tmp.replace(path)
-            logger.info("cached hidden states of %d tokens in %s", int(lengths.sum()), path)
-        by_hash = dict(zip(keys, stored))
-        return cls([by_hash[h] for h in hashes])
+        folder = folder or cache_home() / "hidden"
+        prefix = backbone_key(model_name, backbone.dtype)
+        found = read_shards(folder, prefix, set(distinct))
+        missing = sorted(h for h in distinct if h not in found)
+        logger.info("hidden states: %d conversations cached in %s, %d to compute", len(found), folder, len(missing))
+        if missing:
+            states = cls._compute(backbone, [distinct[h] for h in missing], batch_size)
+            write_shard(folder / f"{prefix}-{set_key(missing)}.safetensors", missing, states)
+            found.update(zip(missing, states))
+        return cls([found[h] for h in hashes])
 
     @staticmethod
     def _compute(backbone, examples: list[Example], batch_size: int) -> list[torch.Tensor]:
