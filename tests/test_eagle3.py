@@ -230,6 +230,32 @@ def test_the_trainer_trains_it_and_it_decodes_exactly(tiny_backbone, counting_da
     assert decode(model, ids, drafter, max_new_tokens=40) == hf_greedy(model.backbone, ids, 40)
 
 
+def test_a_run_continues_saved_heads_with_their_draft_vocabulary(tiny_backbone, counting_data, tmp_path):
+    """`init_heads` on a drafter with a draft vocabulary: the continued run keeps that vocabulary, not one counted
+    again on its own data. Continued at a vanishing learning rate, it scores the same held-out set exactly as the
+    first run did."""
+    rows = counting_data.read_text().splitlines()
+    (tmp_path / "eval.jsonl").write_text("\n".join(rows[:8]) + "\n")
+    above = [r for r in rows if int(json.loads(r)["messages"][0]["content"][len("Count from "):-1]) > 25]
+    (tmp_path / "other.jsonl").write_text("\n".join(above) + "\n")  # digits in other proportions: another count
+    common = dict(head_type="eagle3", share_lm_head=False, eval_data=str(tmp_path / "eval.jsonl"))
+    first = train(recipe(tiny_backbone, counting_data, tmp_path / "first", max_steps=30, draft_vocab_coverage=0.9,
+                         **common))
+    saved = load_heads(tmp_path / "first" / "heads")
+    size = saved.config.draft_vocab_size
+    again = train(recipe(tiny_backbone, tmp_path / "other.jsonl", tmp_path / "again", max_steps=1, warmup_steps=1,
+                         learning_rate=1e-12, draft_vocab_size=size, init_heads=str(tmp_path / "first" / "heads"),
+                         **common))
+    assert torch.equal(load_heads(tmp_path / "again" / "heads").draft_vocab, saved.draft_vocab)
+    assert again["accuracies"]["hits"] == first["accuracies"]["hits"]
+    with pytest.raises(MedusaError, match=f"draft_vocab_size {size} \\(the recipe: {size + 1}\\)"):
+        train(recipe(tiny_backbone, counting_data, tmp_path / "bad", draft_vocab_size=size + 1,
+                     init_heads=str(tmp_path / "first" / "heads"), **common))
+    with pytest.raises(MedusaError, match="drop `draft_vocab_coverage`"):
+        recipe(tiny_backbone, counting_data, tmp_path / "bad", draft_vocab_coverage=0.9,
+               init_heads=str(tmp_path / "first" / "heads"), **common)
+
+
 def test_a_recipe_chooses_the_layers(tiny_backbone, counting_data, tmp_path):
     """`feature_layers` in a recipe reaches the heads' config, the cache's width and the loaded model's taps."""
     out = tmp_path / "eagle3"

@@ -39,7 +39,8 @@ class TrainConfig:
     draft_vocab_size: int | None = None  # heads guess among the N most frequent assistant tokens only
     draft_vocab_coverage: float | None = None  # ... or among as few as cover this share of them (e.g. 0.99)
     init_heads: str | None = None  # start from these saved heads (fine-tuning) instead of the backbone's LM head;
-    # their num_heads, num_layers, head_type and share_lm_head must be the recipe's
+    # their num_heads, num_layers, head_type, share_lm_head and draft_vocab_size must be the recipe's; they keep
+    # their draft vocabulary
     # objective
     loss: str = "ce"  # ce: hard labels; kl: the backbone's own distribution (free from the same forward); kl was
     # better calibrated but no better at acceptance in a first experiment
@@ -156,9 +157,9 @@ class TrainConfig:
                               "`cache_hidden_states: false`.")
         if self.medusa2 and self.quantize != "none":
             raise MedusaError("`medusa2` trains adapters on the float backbone: it does not take `quantize`.")
-        if self.init_heads and (self.draft_vocab_size is not None or self.draft_vocab_coverage is not None):
-            raise MedusaError("`init_heads` continues heads over the whole vocabulary; drop `draft_vocab_size` and "
-                              "`draft_vocab_coverage`.")
+        if self.init_heads and self.draft_vocab_coverage is not None:
+            raise MedusaError("`init_heads` continues heads with their own draft vocabulary; drop "
+                              "`draft_vocab_coverage` (`draft_vocab_size` may name its size).")
         if self.medusa2 and self.deepspeed_config:
             raise MedusaError("`medusa2` with `deepspeed_config` is not supported yet; use plain accelerate.")
         if self.loss_weighting == "tree" and self.tree is None:

@@ -221,9 +221,10 @@ def check_setup(cfg: TrainConfig) -> list[str] | None:
     return check_trackers(cfg.report_to)
 
 
-def prepare_data(cfg: TrainConfig, backbone: PreTrainedModel, tokenizer) -> Data:
-    """Training and held-out conversations, the tree and the draft vocabulary; every check that can fail on the
-    data runs here, before any compute."""
+def prepare_data(cfg: TrainConfig, backbone: PreTrainedModel, tokenizer,
+                 kept_vocab: torch.Tensor | None = None) -> Data:
+    """Training and held-out conversations, the tree and the draft vocabulary (`kept_vocab`, that of the heads a
+    run continues, else counted on the data); every check that can fail on the data runs here, before any compute."""
     examples = load_examples(cfg.data, tokenizer, cfg.max_length)
     if cfg.eval_data:
         train_set, held_out = examples, load_examples(cfg.eval_data, tokenizer, cfg.max_length)
@@ -235,8 +236,8 @@ def prepare_data(cfg: TrainConfig, backbone: PreTrainedModel, tokenizer) -> Data
     tree_paths = validate_tree(load_tree(cfg.tree), num_heads=cfg.num_heads) if cfg.tree else None
     if len(train_set) < cfg.batch_size:
         raise MedusaError(f"Only {len(train_set)} training conversations for `batch_size` {cfg.batch_size}.")
-    draft_vocab = None
-    if cfg.draft_vocab_size or cfg.draft_vocab_coverage:
+    draft_vocab = kept_vocab
+    if draft_vocab is None and (cfg.draft_vocab_size or cfg.draft_vocab_coverage):
         vocab = backbone.get_output_embeddings().weight.shape[0]
         draft_vocab, covered = frequent_tokens(train_set, vocab, cfg.draft_vocab_size, cfg.draft_vocab_coverage)
         logger.info("draft vocabulary: %d tokens cover %.2f%% of the training targets", draft_vocab.numel(),
@@ -244,12 +245,13 @@ def prepare_data(cfg: TrainConfig, backbone: PreTrainedModel, tokenizer) -> Data
     return Data(train_set, held_out, tree_paths, draft_vocab)
 
 
-def build_heads(cfg: TrainConfig, backbone: PreTrainedModel,
-                draft_vocab: torch.Tensor | None) -> tuple[DraftHeads, nn.Module, nn.Module | None]:
-    """-> (fresh fp32 heads, the projection they score with, the token embeddings if they read tokens).
-    The heads train in fp32 (autocast for mixed precision); so do the frozen projection and embeddings they read."""
-    if cfg.init_heads:
-        heads = initial_heads(cfg)
+def build_heads(cfg: TrainConfig, backbone: PreTrainedModel, draft_vocab: torch.Tensor | None,
+                start: DraftHeads | None = None) -> tuple[DraftHeads, nn.Module, nn.Module | None]:
+    """-> (fp32 heads: `start`, the saved heads a run continues, else fresh ones; the projection they score with;
+    the token embeddings if they read tokens). The heads train in fp32 (autocast for mixed precision); so do the
+    frozen projection and embeddings they read."""
+    if start is not None:
+        heads = start
     else:
         layers = {"feature_layers": [int(x) for x in cfg.feature_layers.split(",")]} if cfg.feature_layers else {}
         heads = untrained_heads(backbone, cfg.model, cfg.num_heads, cfg.num_layers, cfg.share_lm_head,
@@ -263,10 +265,11 @@ def build_heads(cfg: TrainConfig, backbone: PreTrainedModel,
 
 
 def initial_heads(cfg: TrainConfig) -> DraftHeads:
-    """The saved heads `cfg.init_heads`, checked to be the heads the recipe describes."""
+    """The saved heads `cfg.init_heads`, checked to be the heads the recipe describes (with their own draft
+    vocabulary, if they have one)."""
     heads = load_heads(cfg.init_heads)
     wanted = {"num_heads": cfg.num_heads, "num_layers": cfg.num_layers, "head_type": cfg.head_type,
-              "share_lm_head": cfg.share_lm_head, "draft_vocab_size": None}
+              "share_lm_head": cfg.share_lm_head, "draft_vocab_size": cfg.draft_vocab_size}
     differ = [f"{k} {getattr(heads.config, k)!r} (the recipe: {v!r})" for k, v in wanted.items()
               if getattr(heads.config, k) != v]
     if differ:
@@ -648,8 +651,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     # is partitioned on construction, and the frozen backbone must stay whole.
     backbone = load_backbone(cfg.model, dtype=parse_dtype(cfg.backbone_dtype, training_device()))
     quantize_backbone(backbone, cfg.quantize)
-    data = prepare_data(cfg, backbone, load_tokenizer(cfg.model))
-    heads, lm_head, embed = build_heads(cfg, backbone, data.draft_vocab)
+    start = initial_heads(cfg) if cfg.init_heads else None
+    data = prepare_data(cfg, backbone, load_tokenizer(cfg.model), start.draft_vocab if start is not None else None)
+    heads, lm_head, embed = build_heads(cfg, backbone, data.draft_vocab, start)
     if heads.feature_layers:  # the backbone's forwards also return the layers the heads read
         tap_features(backbone, heads.feature_layers)
     if cfg.medusa2:
