@@ -107,7 +107,7 @@ class HiddenStateCache:
         prefix = backbone_key(model_name, backbone.dtype)
         found = read_shards(folder, prefix, set(distinct))
         missing = sorted(h for h in distinct if h not in found)
-        logger.info("hidden states: %d conversations cached in %s, %d to compute", len(found), folder, len(missing))
+        logger.info("%d conversations' states found in %s, %d to compute", len(found), folder, len(missing))
         if missing:
             states = cls._compute(backbone, [distinct[h] for h in missing], batch_size)
             write_shard(folder / f"{prefix}-{set_key(missing)}.safetensors", missing, states)
