@@ -18,7 +18,7 @@ from medusa_heads.inference import DecodeState, EagleDrafter, GenerationStats, m
 from medusa_heads.inference.cache import TreeCache
 from medusa_heads.inference.drafters.dynamic import DynamicDrafter
 from medusa_heads.inference.generate import encode_prompt, prefill
-from medusa_heads.model import load_heads, untrained_heads
+from medusa_heads.model import SHIPPED_HEADS, load_heads, untrained_heads
 from medusa_heads.training.data import tokenize_row
 from medusa_heads.training.recipe import TrainConfig
 from medusa_heads.training.trainer import train
@@ -28,6 +28,7 @@ from oracle import assert_exact, decode, hf_greedy, unrolled_and_drafted
 from test_multiprocess import two_processes  # noqa: E402
 from test_training import recipe  # noqa: E402
 
+SHIPPED_EAGLE3 = SHIPPED_HEADS[EMBEDDED_MODEL].parent / "smollm2-135m-embedded-eagle3"
 CHAIN = build_tree([(0,) * d for d in range(1, 4)])
 
 
@@ -304,12 +305,28 @@ def real_eagle3(backbone):
     tap_features(backbone, ())
 
 
-@pytest.mark.parametrize("name", ["medusa", "medusa+ngram"])
-def test_decoding_on_the_real_model_is_exact(real_eagle3, backbone, references, name, tmp_path):
+@pytest.fixture
+def shipped_eagle3(backbone):
+    """The shipped EAGLE-3 drafter on the real backbone, in fp32; the backbone is untapped afterwards."""
+    yield MedusaModel(backbone, load_heads(SHIPPED_EAGLE3, dtype=torch.float32))
+    tap_features(backbone, ())
+
+
+def test_decoding_on_the_real_model_is_exact(real_eagle3, backbone, references, tmp_path):
     assert real_eagle3.heads.feature_layers == (2, 15, 27)
-    drafter = make_drafter(real_eagle3, name, tree=three_deep("cpu-16", tmp_path))
+    drafter = make_drafter(real_eagle3, "medusa+ngram", tree=three_deep("cpu-16", tmp_path))
     stats = assert_exact(real_eagle3, backbone, references[:2], drafter, new_tokens=64)
     assert all(s.steps > 0 for s in stats)
+
+
+@pytest.mark.parametrize("name, options", [("medusa", {"tree": "eagle-cpu-16"}),
+                                           ("dynamic+ngram+store", {"budget": 24})])
+def test_the_shipped_eagle3_drafter_is_exact_and_accepts(shipped_eagle3, backbone, references, name, options):
+    """On the EAGLE drafter's fitted tree, and on a tree grown each step beside the n-gram chain and its store."""
+    assert shipped_eagle3.heads.feature_layers == (2, 15, 27) and shipped_eagle3.ngram_store is not None
+    stats = assert_exact(shipped_eagle3, backbone, references[:2], make_drafter(shipped_eagle3, name, **options), 64)
+    # A random drafter commits about 1 token per forward; the trained one about 2 on these prompts.
+    assert sum(s.mean_accepted_length for s in stats) / len(stats) > 1.5
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "eagle3"])
