@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads.training.data import Example
@@ -84,10 +85,14 @@ def test_another_backbone_or_dtype_does_not_share_states(tmp_path, backbone, exa
     assert rows[0] == 10
 
 
-def test_a_corrupted_shard_is_computed_again(tmp_path, backbone, examples, caplog):
+@pytest.mark.parametrize("damage", ["truncated", "no list of conversations"])
+def test_a_corrupted_shard_is_computed_again(tmp_path, backbone, examples, caplog, damage):
     HiddenStateCache.build(backbone, "tiny", examples, batch_size=4, folder=tmp_path)
     (shard,) = tmp_path.glob("*.safetensors")
-    shard.write_bytes(shard.read_bytes()[:100])
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        save_file(load_file(shard), shard)
     with caplog.at_level(logging.WARNING), counting_rows(backbone) as rows:
         cache = HiddenStateCache.build(backbone, "tiny", examples, batch_size=4, folder=tmp_path)
     assert "unreadable hidden-state shard" in caplog.text

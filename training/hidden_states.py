@@ -75,7 +75,7 @@ def read_shards(folder: Path, backbone: str, wanted: set[str]) -> dict[str, torc
                 rows = f.get_slice("hidden")
                 for i, h in take:
                     found[h] = rows[ends[i - 1] if i else 0 : ends[i]]
-        except (OSError, ValueError, KeyError, SafetensorError) as err:
+        except (OSError, ValueError, KeyError, TypeError, IndexError, SafetensorError) as err:  # TypeError: no metadata
             logger.warning("skipping unreadable hidden-state shard %s (%s)", path, err)
     return found
 
