@@ -9,7 +9,8 @@
 # call cut short by its budget is continued by the next. Stages:
 #   1. data: the mix and held-out answers the checkout lacks (training/data/, the commands of docs/training.md
 #      "Data beyond the templates"), answered on the GPU in bf16 with large batches;
-#   2. train: the recipe with a time budget (`max_minutes`: what is left of SECONDS, less 2 minutes for 3.);
+#   2. train: the recipe with a time budget (`max_minutes`: what is left of SECONDS, less 2 minutes for 3.),
+#      continuing the shipped preview drafter (`init_heads`; INIT_HEADS= starts from scratch);
 #   3. measure: the n-gram store, a tree fitted to the drafter's held-out counts and this GPU's step times, and a
 #      bench of 2 prompts per category against the default configuration and the shipped EAGLE drafter.
 # Writes the drafter (heads/), its tree, the data files, bench.json/md and run.log to bench-out/eagle3-gpu; with
@@ -36,6 +37,7 @@ steps=${STEPS:-3000}              # at batch 24 about 15 epochs of the mix; the 
 nodes=${NODES:-64}                # largest tree `tree optimize` considers
 per_category=${PER_CATEGORY:-2}   # benchmark prompts of each category
 bench_tokens=${BENCH_TOKENS:-128}
+init_heads=${INIT_HEADS-medusa_heads/pretrained/smollm2-135m-embedded-eagle3}  # continued; INIT_HEADS= starts afresh
 
 bin=medusa-heads
 python=python
@@ -84,14 +86,15 @@ distill --prompts "$work/self_train_prompts.jsonl" --out "$data/mix/self_sampled
     --temperature 0.7 --top-p 0.95 --seed 1
 keep
 
-# 2. Train: batches of 24 (3x the CPU recipe's), at most STEPS steps, as many as fit.
+# 2. Train: batches of 24 (3x the CPU recipe's), at most STEPS steps, as many as fit, from the shipped preview.
 run=$work/run
+init=(); [ -n "$init_heads" ] && init=(--init_heads "$init_heads")
 mixed=no; [ "$dtype" = bfloat16 ] && mixed=bf16
 if [ ! -f "$run/heads/config.json" ]; then
     minutes=$("$python" -c "print(max(1.0, ($(left) - 120) / 60))")
     resume=(); compgen -G "$run/checkpoint-*" > /dev/null && resume=(--resume)
     timeout "$(left)" "$python" -m medusa_heads.training --config configs/smollm2-135m-eagle3.yaml "${resume[@]}" \
-        --output_dir "$run" --hidden_cache_dir "$work/hidden" --batch_size 24 --max_steps "$steps" \
+        "${init[@]}" --output_dir "$run" --hidden_cache_dir "$work/hidden" --batch_size 24 --max_steps "$steps" \
         --max_minutes "$minutes" --warmup_steps "$((steps < 50 ? steps : 50))" --eval_every 500 \
         --checkpoint_every 500 --backbone_dtype "$dtype" --mixed_precision "$mixed"
 fi
