@@ -178,6 +178,54 @@ def test_the_aligned_evaluation_layout_is_one_drafting_step_per_entry(tiny, toke
         assert [int(lb[0]) for lb in labels] == drafted.tolist()  # token ids: no draft vocabulary index given
 
 
+def test_calibrating_from_data_counts_what_the_trainer_counts_held_out(tiny_backbone, tokenizer):
+    """`tree optimize --calibration ANSWERS.jsonl` walks a drafter over the context through the runtime's
+    `EagleDrafter`; the trainer counts the same walks with its unrolled forward (`eagle_forward(aligned=True)`,
+    `walk_hits_counts`). On the backbone's own greedy answers the two agree, rank by rank: the draft vocabulary holds
+    every answer token and top_k is all of it, so each walk goes as deep as its answer allows."""
+    from medusa_heads.apps.calibrate import calibrate
+    from medusa_heads.training.losses import walk_hits_counts
+    from medusa_heads.training.trainer import eagle_forward
+
+    backbone = load_backbone(str(tiny_backbone))
+    vocab = backbone.get_output_embeddings().weight.shape[0]
+    conversations = []
+    for prompt in ("Why do cats purr?", "Name three rivers in Europe, please.", "Count to five."):
+        ids = encode_prompt(tokenizer, prompt)[0].tolist()
+        n = len(ids)
+        with torch.no_grad():
+            for _ in range(24):  # greedy by full forwards: the argmax calibration reads
+                ids.append(int(backbone(input_ids=torch.tensor([ids])).logits[0, -1].argmax()))
+        conversations.append((ids, [0] * n + [1] * 24))
+    answered = torch.tensor(sorted({t for ids, _ in conversations for t in ids}))
+    draft = 200
+    assert answered.numel() < draft
+    rest = torch.tensor([t for t in torch.randperm(vocab, generator=torch.Generator().manual_seed(1)).tolist()
+                         if t not in set(answered.tolist())][: draft - answered.numel()])
+    model = random_eagle3(backbone, str(tiny_backbone), vocab, draft, std=0.3)
+    model.heads.set_draft_vocab(torch.cat([answered, rest]))
+    counted = calibrate(model, conversations, top_k=draft)
+
+    vocab_index = torch.full((vocab,), -1, dtype=torch.long)
+    vocab_index[model.heads.draft_vocab] = torch.arange(draft)
+    cfg = TrainConfig(num_heads=3, head_type="eagle3", share_lm_head=False)
+    hits, counts = torch.zeros(3, draft, dtype=torch.long), torch.zeros(3, dtype=torch.long)
+    for ids, mask in conversations:
+        ids, first_answer = torch.tensor([ids]), mask.index(1)
+        mask = torch.tensor([mask])
+        mask[0, first_answer] = 0  # decoding's first root is the first answer token (the prefill commits it)
+        with torch.no_grad():
+            _, hidden = backbone_forward(model.backbone, ids, None)
+            logits, labels, _ = eagle_forward(model.heads, model.projection, model.backbone.get_input_embeddings(),
+                                              hidden, ids, mask, cfg, vocab_index, aligned=True)
+        h, c = walk_hits_counts(logits, labels, draft)
+        hits += h
+        counts += c
+    assert counted.positions == counts.tolist() == [3 * 23, 3 * 22, 3 * 21]
+    assert counted.hits == hits.tolist()
+    assert sum(counted.hits[0][:10]) < counted.positions[0]  # a random drafter: the ranks are spread out
+
+
 @pytest.mark.parametrize("top_k, depth", [(3, None), (1, 6)])
 def test_a_dynamic_tree_drafts_what_the_static_fill_drafts_on_that_tree(tiny, tokenizer, top_k, depth):
     """The dynamic tree's drafter entries (each node seeing its ancestors' entries) give, on the tree it grew, the

@@ -9,7 +9,8 @@ x_t), and the true path is walked by teacher forcing: the head at depth d + 1 is
 `MedusaModel.head_topk` with the true tokens x_t..x_{t+d} as the path (so path-conditioned heads work too),
 for its top-k after x_{t+d}; it is counted only while every ancestor's truth was among its head's top-k.
 The heads are asked once per depth for all the walks of a conversation: on a CPU a call costs about one
-read of the vocabulary projection, whether it scores one path or hundreds.
+read of the vocabulary projection, whether it scores one path or hundreds. A drafter over the context (EAGLE,
+EAGLE-3) is walked root by root through the runtime's own `EagleDrafter`, its cache grown as decoding grows it.
 `p[d][r] = hits[d][r] / positions[d]` is then P(the rank-r child is accepted | its parent was).
 
 Acceptance compares with the backbone's greedy token in the dtype it runs in, so the targets are the
@@ -27,7 +28,9 @@ from tqdm import tqdm
 from medusa_heads.backbone import backbone_forward
 from medusa_heads.errors import MedusaError, read_json, read_jsonl
 from medusa_heads.inference.draft import DecodeState, Drafter
+from medusa_heads.inference.drafters.eagle import EagleDrafter
 from medusa_heads.model import MedusaModel
+from medusa_heads.tree import chain_tree
 from medusa_heads.training.data import Example, assistant_spans, tokenize_row
 
 _BATCH = 256  # paths per head call: bounds the [N, vocabulary] scores in memory
@@ -64,8 +67,7 @@ class Calibration:
 
 def load_calibration(path: str | Path) -> Calibration:
     """Calibration counts from a JSON file: one written by `tree optimize`, a fitted tree (its `calibration`), or
-    the trainer's `head_accuracies.json` (teacher-forced on its held-out set: the way to fit trees to drafters
-    that `calibrate` cannot walk, such as EAGLE's)."""
+    the trainer's `head_accuracies.json` (teacher-forced on its held-out set)."""
     data = read_json(path, "Calibration file")
     if isinstance(data, dict) and isinstance(data.get("calibration"), dict):
         data = data["calibration"]
@@ -121,7 +123,6 @@ def calibrate(model: MedusaModel, conversations: Iterable[tuple[list[int], list[
     """
     if top_k < 1:
         raise MedusaError(f"`top_k` must be at least 1, got {top_k}.")
-    model.require_heads("Calibrating a tree")
     depth = model.config.num_heads
     positions, hits = [0] * depth, [[0] * top_k for _ in range(depth)]
     context = getattr(model.backbone.config.get_text_config(), "max_position_embeddings", None)
@@ -136,6 +137,9 @@ def calibrate(model: MedusaModel, conversations: Iterable[tuple[list[int], list[
         count += 1
         # Roots: answer tokens that greedy decoding would have produced.
         walks = torch.nonzero(answer[1:] & (greedy[:-1] == ids[1:])).flatten() + 1
+        if model.heads.drafts_over_context:
+            _walk_over_context(model, ids, hidden, greedy, answer, walks.tolist(), top_k, positions, hits)
+            continue
         for d in range(depth):
             walks = walks[walks + d + 1 < len(ids)]
             walks = walks[answer[walks + d + 1]]  # the target is an answer token
@@ -169,6 +173,34 @@ def _walk_step(model: MedusaModel, ids: torch.Tensor, hidden: torch.Tensor, gree
     found = match.any(dim=1)
     counted = torch.bincount(match.int().argmax(dim=1)[found], minlength=top_k)
     return counted, found & (ids[roots + d + 1] == targets)
+
+
+def _walk_over_context(model: MedusaModel, ids: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor,
+                       answer: torch.Tensor, roots: list[int], top_k: int, positions: list[int],
+                       hits: list[list[int]]) -> None:
+    """The walks of a drafter over the context (EAGLE, EAGLE-3), root by root, added to `positions` and `hits`.
+    Its cache takes the positions up to each root as decoding would commit them, and the true path is drafted
+    depth by depth as a dynamic tree grows (`begin`, `topk` on a one-node frontier, `end`): the guesses below a
+    node are the ones decoding would draft there."""
+    drafter = EagleDrafter(model, chain_tree(1, model.device))
+    only = torch.zeros(1, dtype=torch.long, device=model.device)  # the frontier's one node, below the last one
+    committed = 0
+    for root in roots:
+        drafter.begin(DecodeState(ids[: root + 1].tolist(), int(ids[root]), hidden[root - 1],
+                                  fresh_hidden=hidden[committed:root]))
+        committed = root
+        for d in range(len(positions)):
+            if root + d + 1 >= len(ids) or not answer[root + d + 1]:
+                break
+            guesses, _ = drafter.topk(ids[None, root : root + d + 1], only, top_k)
+            positions[d] += 1
+            rank = (guesses[0] == greedy[root + d]).nonzero().flatten().tolist()
+            if not rank:
+                break
+            hits[d][rank[0]] += 1
+            if ids[root + d + 1] != greedy[root + d]:  # the data leave the greedy path
+                break
+        drafter.end()
 
 
 @torch.no_grad()
