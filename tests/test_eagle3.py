@@ -367,10 +367,10 @@ def test_decoding_on_the_real_model_is_exact(real_eagle3, backbone, references, 
     assert all(s.steps > 0 for s in stats)
 
 
-@pytest.mark.parametrize("name, options", [("medusa", {"tree": "eagle-cpu-16"}),
+@pytest.mark.parametrize("name, options", [("medusa", {"tree": "eagle3-cpu-16"}),
                                            ("dynamic+ngram+store", {"budget": 24})])
 def test_the_shipped_eagle3_drafter_is_exact_and_accepts(shipped_eagle3, backbone, references, name, options):
-    """On the EAGLE drafter's fitted tree, and on a tree grown each step beside the n-gram chain and its store."""
+    """On its fitted tree, and on a tree grown each step beside the n-gram chain and its store."""
     assert shipped_eagle3.heads.feature_layers == (2, 15, 27) and shipped_eagle3.ngram_store is not None
     stats = assert_exact(shipped_eagle3, backbone, references[:2], make_drafter(shipped_eagle3, name, **options), 64)
     # A random drafter commits about 1 token per forward; the trained one about 2 on these prompts.
