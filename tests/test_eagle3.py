@@ -185,7 +185,7 @@ def test_calibrating_from_data_counts_what_the_trainer_counts_held_out(tiny_back
     every answer token and top_k is all of it, so each walk goes as deep as its answer allows."""
     from medusa_heads.apps.calibrate import calibrate
     from medusa_heads.training.losses import walk_hits_counts
-    from medusa_heads.training.trainer import eagle_forward
+    from medusa_heads.training.trainer import draft_index, eagle_forward
 
     backbone = load_backbone(str(tiny_backbone))
     vocab = backbone.get_output_embeddings().weight.shape[0]
@@ -206,8 +206,7 @@ def test_calibrating_from_data_counts_what_the_trainer_counts_held_out(tiny_back
     model.heads.set_draft_vocab(torch.cat([answered, rest]))
     counted = calibrate(model, conversations, top_k=draft)
 
-    vocab_index = torch.full((vocab,), -1, dtype=torch.long)
-    vocab_index[model.heads.draft_vocab] = torch.arange(draft)
+    vocab_index = draft_index(model.heads.draft_vocab, vocab)
     cfg = TrainConfig(num_heads=3, head_type="eagle3", share_lm_head=False)
     hits, counts = torch.zeros(3, draft, dtype=torch.long), torch.zeros(3, dtype=torch.long)
     for ids, mask in conversations:

@@ -184,9 +184,9 @@ def _walk_over_context(model: MedusaModel, ids: torch.Tensor, hidden: torch.Tens
     node are the ones decoding would draft there."""
     drafter = EagleDrafter(model, chain_tree(1, model.device))
     only = torch.zeros(1, dtype=torch.long, device=model.device)  # the frontier's one node, below the last one
-    committed = 0
+    tokens, committed = ids.tolist(), 0
     for root in roots:
-        drafter.begin(DecodeState(ids[: root + 1].tolist(), int(ids[root]), hidden[root - 1],
+        drafter.begin(DecodeState(tokens[: root + 1], tokens[root], hidden[root - 1],
                                   fresh_hidden=hidden[committed:root]))
         committed = root
         for d in range(len(positions)):
