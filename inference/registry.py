@@ -38,8 +38,9 @@ OPTIONS = {
     "budget": "drafted nodes per step",
     "draft_model": "a draft model (hub id or folder)",
     "exit_layer": "the layer to exit after",
+    "depth": "the deepest a dynamic tree grows",
 }
-INT_OPTIONS = ("draft_length", "budget", "exit_layer")
+INT_OPTIONS = ("draft_length", "budget", "exit_layer", "depth")
 
 
 @dataclass(frozen=True)
@@ -89,14 +90,16 @@ def _heads(model: MedusaModel, tree: str = DEFAULT_TREE) -> Drafter:
     return heads_drafter(model, build_tree(load_tree(tree), model.device))
 
 
-def _dynamic(model: MedusaModel, budget: int = 16) -> Drafter:
-    return DynamicDrafter(model, budget)
+def _dynamic(model: MedusaModel, budget: int = 16, depth: int | None = None) -> Drafter:
+    return DynamicDrafter(model, budget, max_depth=depth)
 
 
-def _plus_ngram(base: str, what: str, shape: str, inner: Callable[..., Drafter], chained: Callable[..., Drafter]
-                ) -> dict[str, DrafterSpec]:
-    """`BASE+ngram` and `BASE+ngram+store`: the drafter `inner(model, **{shape: ...})` plus the n-gram chain
-    (`chained`), the chain from the context alone or, failing that, from the heads' n-gram store."""
+def _plus_ngram(base: str, what: str, shape: tuple[str, ...], inner: Callable[..., Drafter],
+                chained: Callable[..., Drafter]) -> dict[str, DrafterSpec]:
+    """`BASE+ngram` and `BASE+ngram+store`: the drafter `inner(model, **shape_options)` plus the n-gram chain
+    (`chained`), the chain from the context alone or, failing that, from the heads' n-gram store. The options are
+    the shape's first, the chain's length, then the shape's others (the order of a bench method's fields)."""
+    options = (shape[0], "draft_length", *shape[1:])
     def build(store: bool) -> Callable[..., Drafter]:
         def make(model: MedusaModel, draft_length: int = 6, **shape_option) -> Drafter:
             return chained(inner(model, **shape_option), ngram_length=draft_length,
@@ -104,9 +107,9 @@ def _plus_ngram(base: str, what: str, shape: str, inner: Callable[..., Drafter],
         return make
     return {
         f"{base}+ngram": DrafterSpec(f"{what} plus a prompt-lookup chain, verified in the same forward", build(False),
-                                     (shape, "draft_length")),
+                                     options),
         f"{base}+ngram+store": DrafterSpec(f"as {base}+ngram, the chain drafted from the heads' n-gram store when "
-                                           "the context has no match", build(True), (shape, "draft_length")),
+                                           "the context has no match", build(True), options),
     }
 
 
@@ -118,7 +121,7 @@ def _draft_model(model: MedusaModel, draft_model, draft_length: int = 4) -> Draf
 
 DRAFTERS: dict[str, DrafterSpec] = {
     "medusa": DrafterSpec("the heads' top-k guesses fill a static tree", _heads, ("tree",)),
-    **_plus_ngram("medusa", "the heads' tree", "tree", _heads, MedusaNgramDrafter),
+    **_plus_ngram("medusa", "the heads' tree", ("tree",), _heads, MedusaNgramDrafter),
     "ngram": DrafterSpec("prompt lookup alone, as a chain", lambda model, draft_length=6: NgramDrafter(
         draft_length, device=model.device), ("draft_length",), uses_heads=False),
     "draft-model": DrafterSpec("a small LM with the backbone's tokenizer drafts a chain", _draft_model,
@@ -128,10 +131,11 @@ DRAFTERS: dict[str, DrafterSpec] = {
                                                                                          draft_length),
                               ("exit_layer", "draft_length"), ("exit_layer",), uses_heads=False),
     "dynamic": DrafterSpec("a tree grown each step from the heads' confidence (default 16 nodes)", _dynamic,
-                           ("budget",)),
-    **_plus_ngram("dynamic", "the dynamic tree", "budget", _dynamic, DynamicNgramDrafter),
+                           ("budget", "depth")),
+    **_plus_ngram("dynamic", "the dynamic tree", ("budget", "depth"), _dynamic, DynamicNgramDrafter),
     "adaptive": DrafterSpec("a dynamic tree whose size is chosen each step (up to 32 nodes by default)",
-                            lambda model, budget=32: AdaptiveDrafter(model, budget), ("budget",)),
+                            lambda model, budget=32, depth=None: AdaptiveDrafter(model, budget, max_depth=depth),
+                            ("budget", "depth")),
     "plain": DrafterSpec("no drafts: one token per forward (the baseline)", lambda model: PlainDrafter(model.device),
                          uses_heads=False),
 }

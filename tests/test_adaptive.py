@@ -213,6 +213,16 @@ def test_make_drafter_and_bench_methods(model):
     assert list(make_methods(["dynamic:16", "adaptive", "adaptive:8"])) == ["hf", "dynamic:16", "adaptive", "adaptive:8"]
     assert parse_drafter_method("dynamic+ngram+store:24:8") == ("dynamic+ngram+store", {"budget": 24, "draft_length": 8},
                                                                  None)
+    assert parse_drafter_method("dynamic+ngram+store:32::3") == ("dynamic+ngram+store", {"budget": 32, "depth": 3},
+                                                                  None)
+    assert make_drafter(model, "dynamic", budget=8, depth=2).tree.max_depth == 2
+    assert make_drafter(model, "adaptive", budget=8, depth=1).tree.max_depth == 1
+    heads = model.config.num_heads
+    assert make_drafter(model, "dynamic+ngram", budget=8, draft_length=1, depth=2).tree.max_depth == 2
+    with pytest.raises(MedusaError, match=f"1 to {heads} deep"):  # Medusa heads have one depth each
+        make_drafter(model, "dynamic", budget=8, depth=heads + 1)
+    with pytest.raises(MedusaError, match="does not apply to the medusa drafter"):
+        make_drafter(model, "medusa", depth=2)
     with pytest.raises(MedusaError, match="positive integer"):
         make_methods(["dynamic:x"])
 

@@ -251,7 +251,8 @@ def test_decoding_with_a_dynamic_tree_is_hf_greedy(tiny, tokenizer, chat_prompts
     """Trees grown each step by the drafter over the context: its cache follows the context, and the output is the
     backbone's; `deeper`: trees up to 6 deep from a drafter unrolled 3 deep in training."""
     for prompt in (encode_prompt(tokenizer, p) for p in chat_prompts[:2]):
-        drafter = DynamicDrafter(tiny, 10, max_depth=6) if name == "deeper" else make_drafter(tiny, name, budget=10)
+        deeper = name == "deeper"
+        drafter = make_drafter(tiny, "dynamic" if deeper else name, budget=10, depth=6 if deeper else None)
         stats = GenerationStats()
         assert decode(tiny, prompt, drafter, max_new_tokens=32, stats=stats) == hf_greedy(tiny.backbone, prompt, 32)
         assert stats.steps > 0

@@ -233,16 +233,17 @@ class AdaptiveDrafter:
         head_cost: one `head_topk` call (a vocabulary projection) relative to a 1-node step: about 0.1 for the
             embedded SmolLM2-135M on this project's CPU (bf16, 1 thread), whose LM head is a fifth of its weights.
         decay: weight of the past in the calibration's moving averages, per step.
+        max_depth: as for `DynamicDrafter`.
     """
 
     per_sequence = True  # its calibration follows one sequence's acceptance
 
     def __init__(self, model: MedusaModel, max_budget: int = 32, top_k: int = DEFAULT_TOP_K,
                  cost: Callable[[int], float] | Sequence[float] | None = None, head_cost: float = 0.1,
-                 decay: float = 0.95):
+                 decay: float = 0.95, max_depth: int | None = None):
         if not 0 <= decay < 1 or head_cost < 0:
             raise MedusaError(f"The calibration decay must be in [0, 1) and head_cost >= 0, got {decay}, {head_cost}.")
-        self.dynamic = DynamicDrafter(model, max_budget, top_k)
+        self.dynamic = DynamicDrafter(model, max_budget, top_k, max_depth)
         self.tree: TreeBuffers = self.dynamic.tree
         self.costs = relative_costs(cost, max_budget + 1, model.backbone.dtype).to(model.device)
         self.head_cost, self.decay = head_cost, decay

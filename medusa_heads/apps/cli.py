@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
                    "backbone's first N layers")
     g.add_argument("--budget", type=int, help=f"{', '.join(drafters_taking('budget'))}: drafted nodes per step "
                    "(dynamic: default 16; adaptive: the most it may choose, default 32)")
+    g.add_argument("--depth", type=int, help=f"{', '.join(drafters_taking('depth'))}: the deepest the tree grows "
+                   "(default: the number of heads, which Medusa and Hydra heads cannot exceed; an EAGLE drafter "
+                   "may go deeper than it was trained)")
     g.add_argument("--stats", action="store_true", help="also print acceptance by depth and rank, the accepted-length "
                    "histogram and where paths were first rejected")
     g.add_argument("--max-new-tokens", type=int, default=128)
@@ -196,6 +199,7 @@ def _add_serve_command(sub) -> None:
     s.add_argument("--draft-length", type=int, help="as for generate")
     s.add_argument("--exit-layer", type=int, help="as for generate")
     s.add_argument("--budget", type=int, help="as for generate")
+    s.add_argument("--depth", type=int, help="as for generate")
     s.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
                    help="the rule for requests with temperature > 0 (temperature 0 is greedy): exact (lossless, the "
                    "default) or typical (faster, lossy)")
@@ -256,7 +260,7 @@ def _tokenizer(args, model):
 def _generate(args) -> None:
     from medusa_heads.inference import GenerationStats, generate, make_acceptance, make_drafter, stream
     from medusa_heads.backbone import parse_device, parse_dtype
-    from medusa_heads.inference.registry import check_drafter_options, default_drafter
+    from medusa_heads.inference.registry import OPTIONS, check_drafter_options, default_drafter
     from medusa_heads.model import MedusaModel
 
     if args.max_new_tokens < 1:
@@ -268,8 +272,7 @@ def _generate(args) -> None:
             if getattr(args, key) is None:
                 setattr(args, key, value)
     # bad options and broken trees fail before the model loads
-    options = check_drafter_options(args.drafter, tree=args.tree, draft_model=args.draft_model,
-                                    draft_length=args.draft_length, exit_layer=args.exit_layer, budget=args.budget)
+    options = check_drafter_options(args.drafter, **{name: getattr(args, name) for name in OPTIONS})
     acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
                                  device=args.device, top_k=args.top_k, top_p=args.top_p)
     if args.prompts_file is not None:
