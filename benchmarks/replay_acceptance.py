@@ -52,6 +52,7 @@ def main() -> None:
     parser.add_argument("--tree", default="cpu-16")
     parser.add_argument("--draft-length", type=int, help="tokens in the n-gram chain (default 6)")
     parser.add_argument("--budget", type=int, help="nodes of a dynamic tree (default 16)")
+    parser.add_argument("--depth", type=int, help="the deepest a dynamic tree grows (default: the number of heads)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int)
@@ -63,7 +64,7 @@ def main() -> None:
         rows = greedy_outputs(model, read_bench_prompts(args.prompts), args.outputs, args.max_new_tokens)
         takes = DRAFTERS[args.drafter].options
         drafter = make_drafter(model, args.drafter, tree=args.tree if "tree" in takes else None,
-                               draft_length=args.draft_length, budget=args.budget)
+                               draft_length=args.draft_length, budget=args.budget, depth=args.depth)
     except MedusaError as err:
         parser.exit(2, f"replay_acceptance: error: {err}\n")
     tokens, steps = defaultdict(int), defaultdict(int)
@@ -74,6 +75,7 @@ def main() -> None:
     total = sum(tokens.values()) / sum(steps.values())
     chain = f":{args.draft_length}" if args.draft_length else ""
     shape = f"{args.budget or 16} nodes" if "budget" in takes else args.tree
+    shape += f", {args.depth} deep" if args.depth else ""
     print(f"{args.drafter}:{shape}{chain} ({args.heads or 'shipped heads'}): {total:.3f} tokens per forward; "
           + ", ".join(f"{c} {tokens[c] / steps[c]:.2f}" for c in tokens))
 
