@@ -42,8 +42,9 @@ class TrainConfig:
     # their num_heads, num_layers, head_type, share_lm_head and draft_vocab_size must be the recipe's; they keep
     # their draft vocabulary
     # objective
-    loss: str = "ce"  # ce: hard labels; kl: the backbone's own distribution (free from the same forward); kl was
-    # better calibrated but no better at acceptance in a first experiment
+    loss: str = "ce"  # ce: hard labels; kl: the backbone's own distribution (free from the same forward), over the
+    # draft vocabulary where there is one; kl was no better for the first Medusa heads, a little better (top-5 and
+    # accepted length) continuing the EAGLE-3 drafter (docs/experiments.md)
     decay: float = 0.8  # head k weighs decay ** k
     loss_weighting: str = "decay"  # decay, or acceptance: head k's loss counts as much as heads 1..k-1 were right;
     # or tree: head k's loss counts where the tree `tree` drafts depth k below the true path (its path loss)
