@@ -75,7 +75,8 @@ def embedded_model_folder() -> Path:
         return folder
     gguf_folder = _embedded_gguf_folder()
     logger.info("De-quantizing the embedded %s once into %s", EMBEDDED_GGUF, folder)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF, dtype=torch.float32,
+                                                  use_kernels=False)
     tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file=EMBEDDED_GGUF)
     # A GGUF-loaded model refuses save_pretrained, and its config would mark the plain weights as quantized:
     # save a fresh model of the same class, without the quantization config, holding the de-quantized weights.
@@ -111,7 +112,10 @@ def load_backbone(
     path = resolve_model_path(name_or_path)
     extra = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype, device), **extra)
+        # use_kernels: transformers 5 swaps layers for kernels fetched from the hub by default (on a GPU, and it
+        # fails offline there); keep the modelling code that greedy exactness is tested against
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=parse_dtype(dtype, device), use_kernels=False,
+                                                     **extra)
     except (OSError, ValueError) as err:  # transformers reports missing folders and hub ids as OSError
         raise MedusaError(f"Cannot load the backbone `{name_or_path}`: {first_line(err)}") from err
     model.to(device).eval().requires_grad_(False)

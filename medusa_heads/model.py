@@ -57,7 +57,8 @@ def load_heads(path: str | Path, dtype: torch.dtype | str | None = None) -> Draf
         config = MedusaConfig.from_pretrained(path)
         extra = {"dtype": parse_dtype(dtype)} if dtype is not None else {}
         kind = head_type_class(config.head_type)
-        heads, info = kind.from_pretrained(path, config=config, output_loading_info=True, **extra)
+        heads, info = kind.from_pretrained(path, config=config, output_loading_info=True, use_kernels=False,
+                                           **extra)  # no hub kernels, as load_backbone
     except (OSError, ValueError, StrictDataclassError, SafetensorError) as err:
         raise MedusaError(f"Cannot load Medusa heads from `{path}`: {first_line(err)}") from err
     bad = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}

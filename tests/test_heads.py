@@ -147,6 +147,15 @@ def test_a_head_type_refuses_a_config_it_cannot_hold():
                                          decoder_config={"model_type": "llama"}))
 
 
+def test_loaders_keep_the_modelling_code(tiny_backbone, tmp_path):
+    """transformers 5 swaps layers for kernels fetched from the hub unless told not to (on a GPU; offline it fails
+    there): the backbone and heads loaders turn that off."""
+    backbone = load_backbone(str(tiny_backbone))
+    untrained_heads(backbone, str(tiny_backbone), num_heads=2).save_pretrained(tmp_path)
+    assert not backbone.use_kernels
+    assert not load_heads(tmp_path).use_kernels
+
+
 def test_model_save_pretrained_is_the_inverse_of_from_pretrained(tiny_backbone, tmp_path):
     """Heads, the LoRA adapter merged into the backbone (Medusa-2) and the n-gram store come back as they were."""
     from peft import LoraConfig, get_peft_model

@@ -20,6 +20,18 @@ def bench_prompts() -> list[str]:
     return [json.loads(line)["prompt"] for line in BENCH.read_text().splitlines() if line.strip()]
 
 
+def test_the_seed_prompts_are_installed_with_the_package():
+    """A wheel, not only an editable install, holds the shipped prompts that `self-instruct` starts from."""
+    import tomllib
+    from fnmatch import fnmatch
+
+    import medusa_heads.training
+
+    pyproject = tomllib.loads((BENCH.parent.parent / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"].get("medusa_heads.training", [])
+    assert any(fnmatch(str(SHIPPED.relative_to(Path(medusa_heads.training.__file__).parent)), g) for g in globs)
+
+
 def test_listed_items_keeps_complete_items_of_fitting_length():
     text = (" Write a poem about the sea at night.\n6. Explain how a lock works, step by step.\n7. Hi there.\n"
             "Not an item but a line of text.\n8. Describe a day in the life of a")
