@@ -3,7 +3,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import MedusaError, MedusaModel
-from medusa_heads.apps.bench import bench, make_methods, markdown, summarize, tree_families, write_report
+from medusa_heads.apps.bench import (bench, make_methods, markdown, summarize, tree_families, with_heads,
+                                     write_report)
 from medusa_heads.model import untrained_heads
 
 
@@ -109,6 +110,24 @@ def test_the_harness_on_a_tiny_model(tiny, tokenizer, tmp_path):
     table = (tmp_path / "bench.md").read_text()
     assert "| medusa:cpu-8 | 9 |" in table and "Peak memory: the largest over a method's runs of" in table
     assert result["prompts"] == 2 and 0 < result["wall_seconds"] and "2 prompts in " in table
+
+
+def test_other_heads_are_packed_as_the_main_heads(tmp_path):
+    """`NAME#LABEL` heads (here an EAGLE drafter: a decoder layer of linears) draft with packed linear layers as the
+    main heads do, so that they race fairly."""
+    torch.manual_seed(0)
+    backbone = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                            num_attention_heads=2, num_key_value_heads=1)).eval().requires_grad_(False)
+    for name in ("main", "alt"):
+        untrained_heads(backbone, "tiny", head_type="eagle").save_pretrained(tmp_path / name)
+    model = MedusaModel.from_pretrained(tmp_path / "main", base_model=backbone)
+    alt = with_heads(lambda other, *_: other, str(tmp_path / "alt"))(model, None, 0)
+
+    def linears(heads):
+        return sorted(type(m).__name__ for m in heads.modules() if isinstance(m, torch.nn.Linear))
+
+    assert alt.backbone is model.backbone and "PackedLinear" in linears(model.heads)
+    assert linears(alt.heads) == linears(model.heads)
 
 
 def test_method_names_and_their_errors():

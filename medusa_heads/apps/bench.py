@@ -25,7 +25,7 @@ from medusa_heads.inference import GenerationStats, generate_ids, make_acceptanc
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
 from medusa_heads.inference.registry import ACCEPTANCE_RULES, DRAFTERS, INT_OPTIONS, check_drafter_options
 from medusa_heads.model import MedusaModel, load_heads
-from medusa_heads.packing import stock_linears
+from medusa_heads.packing import PackedLinear, pack_linears, stock_linears
 from medusa_heads.quantize import quantization_of
 
 from .memory import PeakMemory
@@ -191,6 +191,9 @@ def with_heads(method, heads_path: str):
             heads = load_heads(heads_path, dtype=model.backbone.dtype).to(model.device)
             if heads.config.base_model_adapter:
                 raise MedusaError(f"`{heads_path}` comes with a LoRA adapter; bench it as the main `--heads`.")
+            if any(isinstance(m, PackedLinear) for m in model.backbone.modules()):
+                heads.requires_grad_(False)
+                pack_linears(heads)  # as `from_pretrained` packs the main heads: else these would draft slower
             models[id(model)] = MedusaModel(model.backbone, heads)
         return method(models[id(model)], input_ids, max_new_tokens)
     return run
