@@ -118,16 +118,18 @@ def test_other_heads_are_packed_as_the_main_heads(tmp_path):
     torch.manual_seed(0)
     backbone = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                             num_attention_heads=2, num_key_value_heads=1)).eval().requires_grad_(False)
-    for name in ("main", "alt"):
-        untrained_heads(backbone, "tiny", head_type="eagle").save_pretrained(tmp_path / name)
+    for name in ("main", "alt"):  # with a draft vocabulary, scored by a projection of the backbone's LM head
+        heads = untrained_heads(backbone, "tiny", head_type="eagle", draft_vocab=torch.arange(32))
+        heads.save_pretrained(tmp_path / name)
     model = MedusaModel.from_pretrained(tmp_path / "main", base_model=backbone)
     alt = with_heads(lambda other, *_: other, str(tmp_path / "alt"))(model, None, 0)
 
-    def linears(heads):
-        return sorted(type(m).__name__ for m in heads.modules() if isinstance(m, torch.nn.Linear))
+    def linears(medusa):  # the heads' and the projection's, not the shared backbone's
+        return sorted((name, type(m).__name__) for name, m in medusa.named_modules()
+                      if isinstance(m, torch.nn.Linear) and not name.startswith("backbone."))
 
-    assert alt.backbone is model.backbone and "PackedLinear" in linears(model.heads)
-    assert linears(alt.heads) == linears(model.heads)
+    assert alt.backbone is model.backbone and ("projection", "PackedLinear") in linears(model)
+    assert linears(alt) == linears(model)
 
 
 def test_method_names_and_their_errors():

@@ -191,10 +191,13 @@ def with_heads(method, heads_path: str):
             heads = load_heads(heads_path, dtype=model.backbone.dtype).to(model.device)
             if heads.config.base_model_adapter:
                 raise MedusaError(f"`{heads_path}` comes with a LoRA adapter; bench it as the main `--heads`.")
+            other = MedusaModel(model.backbone, heads)
             if any(isinstance(m, PackedLinear) for m in model.backbone.modules()):
+                # as `from_pretrained` packs the main model: the heads and their draft-vocabulary projection (the
+                # backbone's linears are packed already), else these would draft slower
                 heads.requires_grad_(False)
-                pack_linears(heads)  # as `from_pretrained` packs the main heads: else these would draft slower
-            models[id(model)] = MedusaModel(model.backbone, heads)
+                pack_linears(other)
+            models[id(model)] = other
         return method(models[id(model)], input_ids, max_new_tokens)
     return run
 
