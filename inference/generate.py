@@ -31,6 +31,12 @@ class GenerationStats:
     first_rejections: list[int] = field(default_factory=list)  # [D] steps whose first rejection was at depth d + 1
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    # Of decode_seconds: proposing the drafts, and verifying them (the backbone's forward and the acceptance rule,
+    # up to the accepted tokens on the host); the rest is compacting the cache and the loop. Host clock times: on
+    # a GPU, work a phase queued is counted where a later phase waits for it. In a batch, each row counts its own
+    # proposal and the shared forward whole.
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     @property
     def steps(self) -> int:
@@ -89,6 +95,16 @@ class GenerationStats:
             self.first_rejections[len(nodes) - 1] += 1
 
     @property
+    def step_ms(self) -> dict[str, float] | None:
+        """Where a decoding step's time goes, in ms per step: `draft`, `verify` and `other`; None before a step."""
+        if not self.steps:
+            return None
+        other = self.decode_seconds - self.draft_seconds - self.verify_seconds
+        return {phase: 1000 * seconds / self.steps
+                for phase, seconds in (("draft", self.draft_seconds), ("verify", self.verify_seconds),
+                                       ("other", max(other, 0.0)))}
+
+    @property
     def tokens_per_second(self) -> float:
         total = self.prefill_seconds + self.decode_seconds
         return self.new_tokens / total if total > 0 else 0.0
@@ -110,6 +126,9 @@ class GenerationStats:
             "steps_without_rejection": self.steps_without_rejection,
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "step_ms": self.step_ms,
             "tokens_per_second": self.tokens_per_second,
         }
 
@@ -199,7 +218,12 @@ def decode_step(model: MedusaModel, cache: TreeCache, rows: list[tuple[Drafter, 
     accepted nodes, the last one the one that predicted the bonus). Each step is recorded in `stats` and, for a
     drafter that learns from its results, passed to its `observe`.
     """
-    drafts = [drafter.propose(state) for drafter, _, state in rows]
+    drafts, draft_seconds = [], []
+    for drafter, _, state in rows:
+        start = time.perf_counter()
+        drafts.append(drafter.propose(state))
+        draft_seconds.append(time.perf_counter() - start)
+    start = time.perf_counter()
     if all(draft.tree.paths == drafts[0].tree.paths for draft in drafts):
         tree, tokens = drafts[0].tree, torch.stack([draft.tokens for draft in drafts])
     else:
@@ -219,10 +243,13 @@ def decode_step(model: MedusaModel, cache: TreeCache, rows: list[tuple[Drafter, 
                     in enumerate(zip(drafts, rows))]
         nodes = [a.nodes.tolist() for a in accepted]
         new = [draft.tokens[a.nodes[1:]].tolist() + [a.bonus] for draft, a in zip(drafts, accepted)]
+    verify_seconds = time.perf_counter() - start
     cache.commit(nodes)
     for b, (drafter, _, _) in enumerate(rows):
         if stats is not None and stats[b] is not None:
             stats[b].record(tree.paths, nodes[b])
+            stats[b].draft_seconds += draft_seconds[b]
+            stats[b].verify_seconds += verify_seconds
         if hasattr(drafter, "observe"):
             drafter.observe(drafts[b], accepted[b])
     return [(accepted[b], new[b], hidden[b, accepted[b].nodes]) for b in range(len(rows))]

@@ -1,3 +1,5 @@
+import time
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -5,7 +7,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.apps.bench import (bench, make_methods, markdown, summarize, tree_families, with_heads,
                                      write_report)
+from medusa_heads.inference import GenerationStats, MedusaDrafter
+from medusa_heads.inference.generate import generate_ids
 from medusa_heads.model import untrained_heads
+from medusa_heads.tree import build_tree, load_tree
 
 
 def test_speedup_is_the_median_per_prompt_ratio_against_hf():
@@ -105,11 +110,39 @@ def test_the_harness_on_a_tiny_model(tiny, tokenizer, tmp_path):
     side = bench(model, tokenizer, prompts[:1], ["medusa:cpu-8", "medusa:cpu-8#hydra"], max_new_tokens=12,
                  alt_heads={"hydra": str(hydra)})["summary"]
     assert side["medusa:cpu-8#hydra"]["identical_outputs"] == 1 and side["medusa:cpu-8#hydra"]["tree_nodes"] == 9
-    for png in ("speedup_by_category.png", "accepted_lengths.png", "speedup_vs_tree_size.png"):
+    for png in ("speedup_by_category.png", "accepted_lengths.png", "speedup_vs_tree_size.png", "step_time.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    for name, s in summary.items():  # where the steps went: the tree methods' decoding loop, not HF's
+        assert (s["step_ms"] is None) == name.startswith("hf"), name
+        if s["step_ms"]:
+            assert s["step_ms"]["draft"] > 0 and s["step_ms"]["verify"] > 0 and s["step_ms"]["other"] >= 0, name
     table = (tmp_path / "bench.md").read_text()
+    assert "Where a decoding step goes" in table and "| medusa:cpu-8 | " in table.split("Where a decoding")[1]
     assert "| medusa:cpu-8 | 9 |" in table and "Peak memory: the largest over a method's runs of" in table
     assert result["prompts"] == 2 and 0 < result["wall_seconds"] and "2 prompts in " in table
+
+
+def test_a_step_s_time_is_split_where_it_is_spent(tiny, tokenizer):
+    """A drafter that takes 30 ms longer to propose shows up as 30 ms more drafting per step, and nothing else."""
+    model, _ = tiny
+    ids = tokenizer("Count to ten.", return_tensors="pt")["input_ids"]
+
+    class Slow(MedusaDrafter):
+        def propose(self, state):
+            time.sleep(0.03)
+            return super().propose(state)
+
+    tree = build_tree(load_tree("cpu-8"))
+    timed = {}
+    for label, drafter in (("fast", MedusaDrafter(model, tree)), ("slow", Slow(model, tree))):
+        stats = GenerationStats()
+        tokens = [t for chunk in generate_ids(model, ids, drafter, max_new_tokens=12, stats=stats) for t in chunk]
+        assert stats.draft_seconds + stats.verify_seconds <= stats.decode_seconds
+        timed[label] = (tokens, stats.step_ms)
+    assert timed["slow"][0] == timed["fast"][0]
+    fast, slow = timed["fast"][1], timed["slow"][1]
+    assert 30 <= slow["draft"] - fast["draft"] < 45
+    assert slow["verify"] < fast["verify"] + 15 and slow["other"] < fast["other"] + 15
 
 
 def test_other_heads_are_packed_as_the_main_heads(tmp_path):

@@ -283,6 +283,8 @@ def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_ne
                          "depth_accepts": stats.depth_accepts if stats else None,
                          "rank_accepts": stats.rank_accepts if stats else None,
                          "first_rejections": stats.first_rejections if stats else None,
+                         "steps": stats.steps if stats else None,
+                         "step_ms": stats.step_ms if stats else None,
                          "tree_nodes": rs[0].tree_nodes, "weights_mb": rs[0].weight_bytes / MB,
                          "peak_memory_mb": (max(x.peak_bytes + x.weight_bytes for x in rs) / MB
                                             if rs[0].peak_bytes is not None else None)})
@@ -368,8 +370,30 @@ def summarize(rows: list[dict]) -> dict:
             "acceptance_by_depth": ([sum(a > d + 1 for a in lengths) / len(lengths) for d in range(depth)]
                                     if lengths else None),
             "peak_memory_mb": max(memory) if memory else None,
+            "step_ms": _step_ms(mine),
         }
     return summary
+
+
+def _step_ms(rows: list[dict]) -> dict[str, float] | None:
+    """Where a method's decoding steps went, in ms per step over all its prompts (`GenerationStats.step_ms`)."""
+    timed = [r for r in rows if r.get("step_ms")]
+    steps = sum(r["steps"] for r in timed)
+    if not steps:
+        return None
+    return {phase: sum(r["step_ms"][phase] * r["steps"] for r in timed) / steps for phase in timed[0]["step_ms"]}
+
+
+def step_table(summary: dict) -> list[str]:
+    """Markdown: per tree method, the time of a step and where it goes."""
+    lines = ["| method | ms per step | drafting | verification (forward + acceptance) | other (cache, loop) |",
+             "|---|---|---|---|---|"]
+    for name, s in summary.items():
+        ms = s.get("step_ms")
+        if ms:
+            lines.append(f"| {name} | {sum(ms.values()):.1f} | {ms['draft']:.1f} | {ms['verify']:.1f} | "
+                         f"{ms['other']:.1f} |")
+    return lines if len(lines) > 2 else []
 
 
 def _share(count: int | None, total: int) -> str:
@@ -409,6 +433,10 @@ def markdown(result: dict) -> str:
             cells = [f"{a:.2f}" for a in shares] + [""] * (deepest - len(shares))
             lines.append(f"| {name} | {summary[name]['tree_nodes']} | " + " | ".join(cells) + " |")
     lines += acceptance_table(summary)
+    steps = step_table(summary)
+    if steps:
+        lines += ["", "Where a decoding step goes (host clock; on a GPU, queued work counts where it is waited for):",
+                  ""] + steps
     return "\n".join(lines) + "\n"
 
 
@@ -441,6 +469,16 @@ def plot_report(result: dict, out: Path) -> list[Path]:
         ax.set_xlabel("tokens accepted per step (bonus token included)")
         ax.set_ylabel("steps")
         paths.append(_save(fig, ax, out / "accepted_lengths.png"))
+    timed = [m for m in methods if summary[m].get("step_ms")]
+    if timed:
+        fig, ax = plt.subplots(figsize=(7, 0.5 * len(timed) + 1.5))
+        left = [0.0] * len(timed)
+        for phase in ("draft", "verify", "other"):
+            widths = [summary[m]["step_ms"][phase] for m in timed]
+            ax.barh(timed, widths, left=left, label=phase)
+            left = [a + b for a, b in zip(left, widths)]
+        ax.set_xlabel("ms per decoding step")
+        paths.append(_save(fig, ax, out / "step_time.png"))
     families = tree_families(summary)
     if families:
         fig, ax = plt.subplots(figsize=(6, 4))

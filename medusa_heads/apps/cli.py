@@ -368,6 +368,9 @@ def _stats_lines(stats) -> list[str]:
              "accepted rank among its parent's children, share of steps:"]
     lines += [f"  depth {d + 1}: " + ", ".join(f"r{r} {x:.2f}" for r, x in enumerate(row))
               for d, row in enumerate(stats.rank_acceptance) if row]
+    if ms := stats.step_ms:
+        lines.append(f"a step: {sum(ms.values()):.1f} ms, drafting {ms['draft']:.1f}, verification {ms['verify']:.1f}, "
+                     f"other {ms['other']:.1f}")
     return lines
 
 
