@@ -123,13 +123,14 @@ def test_the_harness_on_a_tiny_model(tiny, tokenizer, tmp_path):
 
 
 def test_a_step_s_time_is_split_where_it_is_spent(tiny, tokenizer):
-    """A drafter that takes 30 ms longer to propose shows up as 30 ms more drafting per step, and nothing else."""
+    """A drafter that sleeps 100 ms in every proposal: each step's 100 ms shows up as drafting, and neither in the
+    verification nor in the rest, which on a tiny model take a few ms (100 ms leaves room for a busy machine)."""
     model, _ = tiny
     ids = tokenizer("Count to ten.", return_tensors="pt")["input_ids"]
 
     class Slow(MedusaDrafter):
         def propose(self, state):
-            time.sleep(0.03)
+            time.sleep(0.1)
             return super().propose(state)
 
     tree = build_tree(load_tree("cpu-8"))
@@ -140,9 +141,8 @@ def test_a_step_s_time_is_split_where_it_is_spent(tiny, tokenizer):
         assert stats.draft_seconds + stats.verify_seconds <= stats.decode_seconds
         timed[label] = (tokens, stats.step_ms)
     assert timed["slow"][0] == timed["fast"][0]
-    fast, slow = timed["fast"][1], timed["slow"][1]
-    assert 30 <= slow["draft"] - fast["draft"] < 45
-    assert slow["verify"] < fast["verify"] + 15 and slow["other"] < fast["other"] + 15
+    slow = timed["slow"][1]
+    assert slow["draft"] >= 100 and slow["verify"] < 100 and slow["other"] < 100
 
 
 def test_other_heads_are_packed_as_the_main_heads(tmp_path):

@@ -1,5 +1,6 @@
 """Tree decoding on the real SmolLM2 model in fp32: HF `generate` is the oracle."""
 
+import importlib
 import random
 
 import pytest
@@ -43,6 +44,29 @@ def test_greedy_with_the_shipped_medusa_heads_equals_hf_generate(medusa_model, b
     for tree in ("chain-4", "cpu-16"):
         assert_exact(medusa_model, backbone, references[:2], MedusaDrafter(medusa_model, build_tree(load_tree(tree))),
                      new_tokens=64)
+
+
+def test_paths_accepted_down_to_a_leaf_get_the_backbone_s_next_token(model, backbone, references, monkeypatch):
+    """Greedy verification computes no logits at the leaves (a tree of 4 leaves or more): where the accepted path
+    ends at one, the token after it is computed then, and it is HF greedy's."""
+    generate = importlib.import_module("medusa_heads.inference.generate")
+    kept = []
+
+    def spy(*args, **kwargs):
+        logits, hidden = forward(*args, **kwargs)
+        kept.append((logits.shape[1], hidden.shape[1]))
+        return logits, hidden
+
+    forward = generate.backbone_forward
+    monkeypatch.setattr(generate, "backbone_forward", spy)
+    tree = build_tree(load_tree("cpu-16"))
+    ids, reference = references[0]
+    stats = GenerationStats()
+    ours = decode(model, ids, OracleDrafter(tree, ids.shape[1], reference, seed=3), stats=stats)
+    assert ours == reference, explain_mismatch(backbone, ids, ours, reference)
+    assert stats.steps_without_rejection > 3  # steps whose accepted path ended at a leaf
+    assert kept[1:] and set(kept[1:]) == {(tree.internal.numel(), tree.size)}  # after the prefill
+    assert tree.size - tree.internal.numel() >= generate.LEAVES_TO_SKIP
 
 
 def test_greedy_with_the_63_node_tree(model, backbone, references):

@@ -33,6 +33,8 @@ def test_hand_worked_tree():
     # Leaves [0,1], [1,0], [0,0,0] in canonical order, root first, padded with 0 / invalid.
     assert tree.retrieve.tolist() == [[0, 1, 4, 0], [0, 2, 5, 0], [0, 1, 3, 6]]
     assert tree.retrieve_valid.tolist() == [[True, True, True, False], [True, True, True, False], [True] * 4]
+    assert tree.internal.tolist() == [0, 1, 2, 3]  # the nodes with children
+    assert build_tree([[0]]).internal.tolist() == [0]
 
 
 def test_buffers_are_built_once_per_tree_and_device():

@@ -277,6 +277,22 @@ def test_calibration_files_are_checked(tmp_path):
 # --- the latency profile --------------------------------------------------------------------------------
 
 
+def test_the_profile_s_steps_gather_the_deepest_path(bigram_model):
+    """A timed step accepts the tree's deepest path whatever the tokens, so that it pays for a real cache gather."""
+    from medusa_heads.apps.profile import _DeepestPath, synthetic_tree
+    from medusa_heads.inference import DecodeState, MedusaDrafter
+    from medusa_heads.inference.cache import TreeCache
+    from medusa_heads.inference.generate import prefill, tree_decode_step
+
+    tree = synthetic_tree(bigram_model, 8)
+    ids = list(range(1, 11))
+    cache = TreeCache(bigram_model.backbone, 1, 32)
+    _, hidden = prefill(bigram_model, [ids[:-1]], cache)
+    state = DecodeState(ids, ids[-1], hidden[0, -1])
+    accepted, new, _ = tree_decode_step(bigram_model, MedusaDrafter(bigram_model, tree), _DeepestPath(), cache, state)
+    assert tree.max_depth >= 2 and accepted.depth == tree.max_depth and len(new) == tree.max_depth + 1
+
+
 def test_profile_measures_and_is_cached(bigram_model, tmp_path, monkeypatch):
     monkeypatch.setenv("MEDUSA_HEADS_HOME", str(tmp_path))
     profile = measure_profile(bigram_model, sizes=[1, 2, 6], contexts=[8, 32], repeats=2, warmup=1)

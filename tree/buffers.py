@@ -24,6 +24,7 @@ class TreeBuffers:
     mask: torch.Tensor  # [T, T] bool, mask[i, j]: node i may attend to node j (j is i or an ancestor)
     retrieve: torch.Tensor  # [P, D + 1] long, node ids of each root-to-leaf path, padded with 0
     retrieve_valid: torch.Tensor  # [P, D + 1] bool, False on padding
+    internal: torch.Tensor  # [I] long, the nodes with children, ascending (the root first, unless it is alone)
 
     @property
     def size(self) -> int:
@@ -83,4 +84,5 @@ def _build(paths: tuple[Path_, ...], device: str) -> TreeBuffers:
         mask=mask.to(device),
         retrieve=t([c + [0] * (width - len(c)) for c in leaves]),
         retrieve_valid=t([[True] * len(c) + [False] * (width - len(c)) for c in leaves], torch.bool),
+        internal=t(sorted(parents)),
     )
