@@ -255,6 +255,9 @@ def test_metrics_move_by_one_request(server, client, model, chat_prompts):
     assert delta("medusa_speculative_accepted_length_sum") == accepted + steps
     assert delta("medusa_speculative_depth_drafted_total", depth="1") == steps
     assert sum(delta("medusa_speculative_depth_accepted_total", depth=str(d)) for d in range(1, 10)) == accepted
+    for phase in ("draft", "verification"):  # where its steps' time went, in its response and in the metrics
+        assert spec[f"{phase}_seconds"] > 0
+        assert delta(f"medusa_speculative_{phase}_seconds_total") == pytest.approx(spec[f"{phase}_seconds"], abs=1e-5)
     assert delta("medusa_generation_tokens_total") == response.usage.completion_tokens
     assert delta("medusa_prompt_tokens_total") == response.usage.prompt_tokens
     assert delta("medusa_requests_total", status="ok") == 1
@@ -267,7 +270,8 @@ def test_metrics_move_by_one_request(server, client, model, chat_prompts):
     assert {f.name for f in families if "speculative" in f.name} == {
         "medusa_speculative_draft_tokens", "medusa_speculative_accepted_tokens",
         "medusa_speculative_verification_steps", "medusa_speculative_accepted_length",
-        "medusa_speculative_depth_drafted", "medusa_speculative_depth_accepted"}
+        "medusa_speculative_depth_drafted", "medusa_speculative_depth_accepted", "medusa_speculative_draft_seconds",
+        "medusa_speculative_verification_seconds"}
 
 
 GOOD = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0}

@@ -135,6 +135,7 @@ class Row:
     ids: list[int] = field(default_factory=list)
     first: float | None = None  # when its first token came
     recorded: int = 0  # its steps recorded in the metrics
+    timed: tuple[float, float] = (0.0, 0.0)  # its drafting and verification seconds recorded in the metrics
     keep: int | None = None  # its new ids to keep, once `stop` has ended it
     failed: bool = False
 
@@ -267,14 +268,14 @@ class Engine:
             self.metrics.prompt_tokens.inc(len(job.prompt_ids))
         row.ids += tokens
         self.metrics.emitted_tokens.inc(len(tokens))
-        row.recorded = self._record_steps(row.drafter.trees, row.stats.accepted_lengths, row.recorded)
+        self._record_steps(row)
         if not job.cancelled.is_set() and (piece := row.text.add(tokens)):
             job.emit(Piece(piece))
 
     def _finish(self, row: Row) -> None:
         """`row` has ended: the rest of its text and its final event."""
         job = row.job
-        self._record_steps(row.drafter.trees, row.stats.accepted_lengths, row.recorded)  # steps a stop string cut
+        self._record_steps(row)  # steps a stop string cut
         if job.cancelled.is_set():
             self.metrics.requests.labels("cancelled").inc()
             return
@@ -288,11 +289,15 @@ class Engine:
         finish = "stop" if row.text.stopped or row.ids[-1] in self.eos else "length"
         job.emit(Finished(finish, len(job.prompt_ids), len(row.ids), self._summary(row)))
 
-    def _record_steps(self, trees: list[tuple[int, int]], accepted_lengths: list[int], recorded: int) -> int:
-        """Record in the metrics the request's steps after the first `recorded`; returns how many are now."""
-        for (drafted, depth), length in zip(trees[recorded:], accepted_lengths[recorded:]):
+    def _record_steps(self, row: Row) -> None:
+        """Record in the metrics the request's steps and their time since the last call."""
+        stats = row.stats
+        for (drafted, depth), length in zip(row.drafter.trees[row.recorded:], stats.accepted_lengths[row.recorded:]):
             self.metrics.record_step(drafted, depth, length)
-        return len(accepted_lengths)
+        row.recorded = len(stats.accepted_lengths)
+        self.metrics.draft_seconds.inc(stats.draft_seconds - row.timed[0])
+        self.metrics.verification_seconds.inc(stats.verify_seconds - row.timed[1])
+        row.timed = (stats.draft_seconds, stats.verify_seconds)
 
     def _summary(self, row: Row) -> dict:
         """The request's own speculative statistics, the `speculative` field of its response."""
@@ -300,4 +305,5 @@ class Engine:
         return {"drafter": row.drafter_name, "steps": stats.steps,
                 "draft_tokens": sum(n for n, _ in row.drafter.trees),
                 "accepted_tokens": sum(stats.accepted_lengths) - stats.steps,
-                "mean_accepted_length": round(stats.mean_accepted_length, 4)}
+                "mean_accepted_length": round(stats.mean_accepted_length, 4),
+                "draft_seconds": round(stats.draft_seconds, 6), "verification_seconds": round(stats.verify_seconds, 6)}

@@ -29,6 +29,12 @@ class ServerMetrics:
         self.accepted_length = Histogram(
             "medusa_speculative_accepted_length", "Tokens committed per verification step (accepted drafts + the "
             "backbone's own token)", buckets=tuple(range(1, max_depth + 2)), registry=r)
+        self.draft_seconds = Counter("medusa_speculative_draft_seconds", "Seconds the requests' steps spent proposing "
+                                     "drafts", registry=r)
+        self.verification_seconds = Counter(
+            "medusa_speculative_verification_seconds", "Seconds the requests' steps spent verifying: the backbone's "
+            "forward and the acceptance rule (a batch's forward counts once for each request in it, as its steps "
+            "do)", registry=r)
         self.depth_drafted = Counter("medusa_speculative_depth_drafted", "Steps whose tree had nodes at this depth",
                                      ["depth"], registry=r)
         self.depth_accepted = Counter("medusa_speculative_depth_accepted", "Steps whose accepted path reached this "
