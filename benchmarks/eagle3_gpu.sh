@@ -44,6 +44,7 @@ nodes=${NODES:-64}                # largest tree `tree optimize` considers
 per_category=${PER_CATEGORY:-1}   # benchmark prompts of each category
 bench_tokens=${BENCH_TOKENS:-64}   # the tree runtime took 5-9 s a method for 128 tokens there
 init_heads=${INIT_HEADS-medusa_heads/pretrained/smollm2-135m-embedded-eagle3}  # continued; INIT_HEADS= starts afresh
+repick=${REPICK:-1}               # 1: the continued drafter's draft vocabulary is counted again on the grown data
 
 bin=medusa-heads
 python=${PYTHON:-python}
@@ -100,6 +101,7 @@ keep
 # the hidden states are computed online (a GPU forward costs less than reading them back from disk).
 run=$work/run
 init=(); [ -n "$init_heads" ] && init=(--init_heads "$init_heads")
+[ -n "$init_heads" ] && [ "$repick" = 1 ] && init+=(--repick_draft_vocab true)
 mixed=no; [ "$dtype" = bfloat16 ] && mixed=bf16
 if [ ! -f "$run/heads/config.json" ]; then
     minutes=$("$python" -c "print(max(1.0, ($(left) - ${MEASURE_SECONDS:-150}) / 60))")

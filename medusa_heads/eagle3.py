@@ -80,6 +80,9 @@ class Eagle3Head(ContextDrafter):
     def feature_layers(self) -> tuple[int, ...]:
         return tuple(self.config.feature_layers)
 
+    def owned_projections(self) -> list[nn.Linear]:
+        return [self.lm_head]
+
     @torch.no_grad()
     def init_from_backbone(self, backbone: PreTrainedModel) -> None:
         """Start from the highest feature layer passed through unchanged (fc selects it, the layer's residual

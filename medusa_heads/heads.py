@@ -101,6 +101,11 @@ class DraftHeads(PreTrainedModel):
                              f"{tuple(token_ids.shape)}.")
         self.draft_vocab.copy_(token_ids)
 
+    def owned_projections(self) -> list[nn.Linear]:
+        """The vocabulary projections the heads own (one row per draft-vocabulary token); none when they share
+        the backbone's LM head."""
+        return []
+
     def output_projection(self, lm_head: nn.Module) -> nn.Module:
         """The projection shared heads score with: `lm_head` itself, or its rows of the draft vocabulary
         (a copy, made once by the caller)."""
@@ -147,6 +152,9 @@ class MedusaHeads(DraftHeads):
         self._add_modules(config)
         self._register_draft_vocab()
         self.post_init()
+
+    def owned_projections(self) -> list[nn.Linear]:
+        return [] if self.lm_heads is None else list(self.lm_heads)
 
     def _add_modules(self, config: MedusaConfig) -> None:
         """Subclasses add their own modules here, before the weights are initialised."""
@@ -195,6 +203,9 @@ class HydraHeads(MedusaHeads):
 
     head_type = "hydra"
     reads_tokens = True
+
+    def owned_projections(self) -> list[nn.Linear]:
+        return [] if self.lm_heads is None else list(self.lm_heads)
 
     def _add_modules(self, config: MedusaConfig) -> None:
         self.mixers = nn.ModuleList(TokenMix(config.hidden_size, j + 1) for j in range(config.num_heads))

@@ -9,17 +9,21 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import LlamaConfig
 
 from medusa_heads import Eagle3Head, MedusaConfig, MedusaError, MedusaModel, load_backbone
 from medusa_heads.apps.calibrate import replayed_tokens_per_step
 from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward, tap_features
+from medusa_heads.eagle import decoder_config_for
 from medusa_heads.eagle3 import default_feature_layers
+from medusa_heads.head_types import head_type_class
 from medusa_heads.inference import DecodeState, EagleDrafter, GenerationStats, make_drafter
 from medusa_heads.inference.cache import TreeCache
 from medusa_heads.inference.drafters.dynamic import DynamicDrafter
 from medusa_heads.inference.generate import encode_prompt, prefill
 from medusa_heads.model import SHIPPED_HEADS, load_heads, untrained_heads
-from medusa_heads.training.data import tokenize_row
+from medusa_heads.training.data import load_examples, tokenize_row
+from medusa_heads.training.draft_vocab import frequent_tokens, repick_draft_vocab
 from medusa_heads.training.recipe import TrainConfig
 from medusa_heads.training.trainer import train
 from medusa_heads.tree import build_tree, load_tree
@@ -303,6 +307,71 @@ def test_a_run_continues_saved_heads_with_their_draft_vocabulary(tiny_backbone, 
     with pytest.raises(MedusaError, match="drop `draft_vocab_coverage`"):
         recipe(tiny_backbone, counting_data, tmp_path / "bad", draft_vocab_coverage=0.9,
                init_heads=str(tmp_path / "first" / "heads"), **common)
+
+
+@pytest.mark.parametrize("head_type, share", [("eagle3", False), ("medusa", False), ("hydra", True)])
+def test_a_repicked_draft_vocabulary_keeps_trained_rows_and_maps_new_ones(head_type, share, tmp_path):
+    """Re-picking the draft vocabulary of trained heads: kept tokens keep their rows; where training moved the
+    rows by one linear map, a new token's row is the backbone's row moved by that same map (the least-squares
+    fit recovers it); shared heads only change their ids; the re-picked heads save and load whole."""
+    torch.manual_seed(0)
+    hidden, vocab = 16, 200
+    backbone_rows = torch.randn(vocab, hidden)
+    fields = {"feature_layers": [0, 1]} if head_type == "eagle3" else {}
+    config = MedusaConfig(head_type=head_type, hidden_size=hidden, vocab_size=vocab, share_lm_head=share,
+                          num_heads=2, draft_vocab_size=60, **fields,
+                          **({"decoder_config": decoder_config_for(LlamaConfig(
+                              hidden_size=hidden, intermediate_size=32, num_attention_heads=2,
+                              num_key_value_heads=1))} if head_type == "eagle3" else {}))
+    heads = head_type_class(head_type)(config)
+    old = torch.randperm(vocab)[:60]
+    heads.set_draft_vocab(old)
+    moves = [torch.randn(hidden, hidden) for _ in heads.owned_projections()]
+    for projection, move in zip(heads.owned_projections(), moves):
+        projection.weight.data = backbone_rows[old] @ move  # "training" moved every row by one map
+    before = [p.weight.detach().clone() for p in heads.owned_projections()]
+    picked = torch.cat([old[10:], torch.tensor([t for t in range(vocab) if t not in set(old.tolist())][:30])])
+    assert repick_draft_vocab(heads, picked, backbone_rows) == 30
+    assert torch.equal(heads.draft_vocab, picked) and heads.config.draft_vocab_size == 80
+    assert len(heads.owned_projections()) == (0 if share else config.num_heads if head_type != "eagle3" else 1)
+    for projection, move, was in zip(heads.owned_projections(), moves, before):
+        assert projection.weight.shape == (80, hidden)
+        assert torch.equal(projection.weight[:50], was[10:])
+        torch.testing.assert_close(projection.weight[50:], backbone_rows[picked[50:]] @ move, rtol=1e-4, atol=1e-4)
+    heads.save_pretrained(tmp_path / "heads")
+    loaded = load_heads(tmp_path / "heads", dtype=torch.float32)
+    assert torch.equal(loaded.draft_vocab, picked)
+    for mine, theirs in zip(heads.owned_projections(), loaded.owned_projections()):
+        assert torch.equal(mine.weight, theirs.weight)
+
+
+def test_a_continued_run_can_repick_its_draft_vocabulary(tiny_backbone, counting_data, tokenizer, tmp_path):
+    """`repick_draft_vocab`: a drafter continued on other data guesses among that data's most frequent tokens (as a
+    fresh run counts them), the tokens it knew keeping their trained rows."""
+    rows = counting_data.read_text().splitlines()
+    (tmp_path / "eval.jsonl").write_text("\n".join(rows[:8]) + "\n")
+    above = [r for r in rows if int(json.loads(r)["messages"][0]["content"][len("Count from "):-1]) > 25]
+    (tmp_path / "other.jsonl").write_text("\n".join(above) + "\n")
+    common = dict(head_type="eagle3", share_lm_head=False, eval_data=str(tmp_path / "eval.jsonl"))
+    train(recipe(tiny_backbone, counting_data, tmp_path / "first", max_steps=4, warmup_steps=1,
+                 draft_vocab_coverage=0.5, **common))
+    first = load_heads(tmp_path / "first" / "heads", dtype=torch.float32)
+    again = recipe(tiny_backbone, tmp_path / "other.jsonl", tmp_path / "again", max_steps=1, warmup_steps=1,
+                   learning_rate=1e-12, draft_vocab_coverage=0.95, repick_draft_vocab=True,
+                   init_heads=str(tmp_path / "first" / "heads"), **common)
+    train(again)
+    wanted, _ = frequent_tokens(load_examples(again.data, tokenizer, again.max_length), len(tokenizer),
+                                coverage=0.95)
+    continued = load_heads(tmp_path / "again" / "heads", dtype=torch.float32)
+    assert torch.equal(continued.draft_vocab, wanted) and continued.config.draft_vocab_size == wanted.numel()
+    position = {t: i for i, t in enumerate(first.draft_vocab.tolist())}
+    kept = [(i, position[t]) for i, t in enumerate(wanted.tolist()) if t in position]
+    assert kept and len(kept) < wanted.numel()  # some tokens kept, some new
+    now, was = zip(*kept)
+    torch.testing.assert_close(continued.lm_head.weight[list(now)], first.lm_head.weight[list(was)])
+    with pytest.raises(MedusaError, match="`repick_draft_vocab` re-counts"):
+        recipe(tiny_backbone, counting_data, tmp_path / "bad", repick_draft_vocab=True, draft_vocab_size=10,
+               **common)
 
 
 def test_a_recipe_chooses_the_layers(tiny_backbone, counting_data, tmp_path):

@@ -113,6 +113,7 @@ BAD_VALUES = [
     ("deepspeed_config", {"medusa2": True, "cache_hidden_states": False, "deepspeed_config": "ds.json"}),
     ("report_to", {"report_to": " "}),
     ("quantize", {"quantize": "fp8"}), ("init_heads", {"init_heads": ""}),
+    ("repick_draft_vocab", {"repick_draft_vocab": True, "draft_vocab_size": 10}),
     ("feature_layers", {"feature_layers": "1"}),  # medusa heads read one layer
     ("feature_layers", {"head_type": "eagle3", "share_lm_head": False, "feature_layers": "2,x"}),
     # wrong types, from a recipe, the command line or Python

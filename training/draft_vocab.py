@@ -3,6 +3,7 @@
 import torch
 
 from medusa_heads.errors import MedusaError
+from medusa_heads.heads import DraftHeads
 
 from .data import Example
 
@@ -23,3 +24,38 @@ def frequent_tokens(examples: list[Example], vocab_size: int, size: int | None =
         size = int(torch.searchsorted(cumulative, torch.tensor(coverage, dtype=torch.double))) + 1
     size = min(size, vocab_size)
     return order[:size], float(cumulative[size - 1])
+
+
+@torch.no_grad()
+def repick_draft_vocab(heads: DraftHeads, token_ids: torch.Tensor, lm_head_weight: torch.Tensor) -> int:
+    r"""
+    Give trained `heads` the draft vocabulary `token_ids` [N] in place of their own; -> how many tokens are new.
+
+    A token both vocabularies hold keeps its row in each projection the heads own. A new token's row is the
+    backbone's (`lm_head_weight` [V, H]) times the least-squares linear map from the backbone's rows of the kept
+    tokens to their trained rows: what training did to the rows it saw, applied to those it did not. (Copying the
+    backbone's rows unmapped lowered the EAGLE-3 drafter's replayed accepted length; mapped, the new rows take
+    nothing away before they are trained, docs/experiments.md.) Heads that share the backbone's LM head only
+    change the ids they guess among.
+    """
+    vocab, device = lm_head_weight.shape[0], token_ids.device
+    old = heads.draft_vocab if heads.draft_vocab is not None else torch.arange(vocab, device=device)
+    where = torch.full((vocab,), -1, dtype=torch.long, device=device)
+    where[old.to(device)] = torch.arange(old.numel(), device=device)
+    where = where[token_ids]
+    kept, new = token_ids[where >= 0], token_ids[where < 0]
+    for projection in heads.owned_projections():
+        weight = projection.weight
+        rows = torch.empty(token_ids.numel(), weight.shape[1], dtype=weight.dtype, device=weight.device)
+        rows[where >= 0] = weight[where[where >= 0]]
+        if new.numel():
+            source = lm_head_weight[kept].to(weight.device, torch.float64)
+            mapping = torch.linalg.lstsq(source, weight[where[where >= 0]].double()).solution  # [H, H]
+            rows[where < 0] = (lm_head_weight[new].to(weight.device, torch.float64) @ mapping).to(weight.dtype)
+        projection.weight = torch.nn.Parameter(rows, requires_grad=weight.requires_grad)
+        projection.out_features = token_ids.numel()
+    if "draft_vocab" not in heads._buffers:
+        del heads.draft_vocab  # heads over the whole vocabulary hold None
+    heads.register_buffer("draft_vocab", token_ids.clone())
+    heads.config.draft_vocab_size = token_ids.numel()
+    return new.numel()

@@ -41,6 +41,9 @@ class TrainConfig:
     init_heads: str | None = None  # start from these saved heads (fine-tuning) instead of the backbone's LM head;
     # their num_heads, num_layers, head_type, share_lm_head and draft_vocab_size must be the recipe's; they keep
     # their draft vocabulary
+    repick_draft_vocab: bool = False  # with init_heads: count the draft vocabulary again on this run's data
+    # (draft_vocab_size or draft_vocab_coverage); kept tokens keep their trained rows of the heads' own LM head, new
+    # ones start from the backbone's rows mapped as the kept ones moved (training/draft_vocab.py)
     # objective
     loss: str = "ce"  # ce: hard labels; kl: the backbone's own distribution (free from the same forward), over the
     # draft vocabulary where there is one; kl was no better for the first Medusa heads, a little better (top-5 and
@@ -158,9 +161,13 @@ class TrainConfig:
                               "`cache_hidden_states: false`.")
         if self.medusa2 and self.quantize != "none":
             raise MedusaError("`medusa2` trains adapters on the float backbone: it does not take `quantize`.")
-        if self.init_heads and self.draft_vocab_coverage is not None:
+        if self.init_heads and self.draft_vocab_coverage is not None and not self.repick_draft_vocab:
             raise MedusaError("`init_heads` continues heads with their own draft vocabulary; drop "
-                              "`draft_vocab_coverage` (`draft_vocab_size` may name its size).")
+                              "`draft_vocab_coverage` (`draft_vocab_size` may name its size), or set "
+                              "`repick_draft_vocab`.")
+        if self.repick_draft_vocab and not (self.init_heads and (self.draft_vocab_size or self.draft_vocab_coverage)):
+            raise MedusaError("`repick_draft_vocab` re-counts the draft vocabulary of heads a run continues: it "
+                              "needs `init_heads` and `draft_vocab_size` or `draft_vocab_coverage`.")
         if self.medusa2 and self.deepspeed_config:
             raise MedusaError("`medusa2` with `deepspeed_config` is not supported yet; use plain accelerate.")
         if self.loss_weighting == "tree" and self.tree is None:

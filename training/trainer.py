@@ -31,7 +31,7 @@ from medusa_heads.quantize import quantize_backbone
 from medusa_heads.tree import load_tree, validate_tree
 
 from .data import Example, load_examples
-from .draft_vocab import frequent_tokens
+from .draft_vocab import frequent_tokens, repick_draft_vocab
 from .hidden_states import HiddenStateCache, compute_hidden, pad_batch
 from .losses import (backbone_kl, decoded_steps, draft_labels, follow_embeddings, head_targets, heads_loss,
                      rank_hits, tree_walk, walk_hits_counts)
@@ -266,10 +266,12 @@ def build_heads(cfg: TrainConfig, backbone: PreTrainedModel, draft_vocab: torch.
 
 def initial_heads(cfg: TrainConfig) -> DraftHeads:
     """The saved heads `cfg.init_heads`, checked to be the heads the recipe describes (with their own draft
-    vocabulary, if they have one)."""
+    vocabulary, if they have one, unless `repick_draft_vocab`)."""
     heads = load_heads(cfg.init_heads)
     wanted = {"num_heads": cfg.num_heads, "num_layers": cfg.num_layers, "head_type": cfg.head_type,
-              "share_lm_head": cfg.share_lm_head, "draft_vocab_size": cfg.draft_vocab_size}
+              "share_lm_head": cfg.share_lm_head}
+    if not cfg.repick_draft_vocab:
+        wanted["draft_vocab_size"] = cfg.draft_vocab_size
     differ = [f"{k} {getattr(heads.config, k)!r} (the recipe: {v!r})" for k, v in wanted.items()
               if getattr(heads.config, k) != v]
     if differ:
@@ -652,7 +654,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> dict:
     backbone = load_backbone(cfg.model, dtype=parse_dtype(cfg.backbone_dtype, training_device()))
     quantize_backbone(backbone, cfg.quantize)
     start = initial_heads(cfg) if cfg.init_heads else None
-    data = prepare_data(cfg, backbone, load_tokenizer(cfg.model), start.draft_vocab if start is not None else None)
+    kept_vocab = start.draft_vocab if start is not None and not cfg.repick_draft_vocab else None
+    data = prepare_data(cfg, backbone, load_tokenizer(cfg.model), kept_vocab)
+    if cfg.repick_draft_vocab:
+        new = repick_draft_vocab(start, data.draft_vocab, backbone.get_output_embeddings().weight)
+        logger.info("draft vocabulary re-picked: %d of %d tokens new", new, data.draft_vocab.numel())
     heads, lm_head, embed = build_heads(cfg, backbone, data.draft_vocab, start)
     if heads.feature_layers:  # the backbone's forwards also return the layers the heads read
         tap_features(backbone, heads.feature_layers)
