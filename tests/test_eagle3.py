@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig
+from transformers import DynamicCache, LlamaConfig
 
 from medusa_heads import Eagle3Head, MedusaConfig, MedusaError, MedusaModel, load_backbone
 from medusa_heads.apps.calibrate import replayed_tokens_per_step
@@ -138,6 +138,29 @@ def test_a_tapped_backbone_still_serves_the_other_head_types(tiny, tokenizer, tm
         other = MedusaModel(tiny.backbone, heads)
         tree = {"tree": three_deep("cpu-8", tmp_path)} if drafter == "medusa" else {}
         assert decode(other, ids, make_drafter(other, drafter, **tree), max_new_tokens=24) == reference, head_type
+
+
+def test_the_decoding_path_computes_the_layer_s_forward(tiny):
+    """`Eagle3Head.decode`, the Llama layer written out, against the modules' `forward`: a commit of 20 positions, then
+    a tree step of 4 entries under a 4D mask, on caches that start equal; then past its rotary table's first size."""
+    heads = tiny.heads
+    assert heads._short_decode
+    torch.manual_seed(1)
+    h = heads.config.hidden_size
+    feats, embeds = torch.randn(1, 20, 3 * h), torch.randn(1, 20, h)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    steps = [(feats, embeds, torch.arange(20)[None], torch.ones(20, 20, dtype=torch.bool).tril()),
+             (torch.randn(1, 4, h), torch.randn(1, 4, h), torch.tensor([[20, 21, 21, 22]]),
+              torch.cat([torch.ones(4, 20, dtype=torch.bool), tree], dim=1)),
+             (torch.randn(1, 2, 3 * h), torch.randn(1, 2, h), torch.tensor([[3000, 3001]]),
+              torch.ones(2, 26, dtype=torch.bool))]
+    caches = DynamicCache(), DynamicCache()
+    with torch.no_grad():
+        for features, tokens, positions, mask in steps:
+            short = heads.decode(features, tokens, positions, mask[None, None], caches[0])
+            modules = heads(features, tokens, positions, mask[None, None], caches[1])
+            torch.testing.assert_close(short, modules, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[0].layers[0].keys, caches[1].layers[0].keys, rtol=1e-5, atol=1e-5)
 
 
 def test_training_unroll_predicts_what_drafting_drafts(tiny, tokenizer):

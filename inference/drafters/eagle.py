@@ -63,7 +63,8 @@ class EagleDrafter:
         device = fresh.device
         after = torch.tensor(state.token_ids[start + 1 :], device=device)  # the token after each fresh position
         positions = torch.arange(start, root_position, device=device)[None]
-        out = self.model.heads(fresh[None], self.embed(after)[None], positions, None, self.cache)
+        mask = (torch.arange(root_position, device=device)[None, :] <= positions[0, :, None])[None, None]
+        out = self.model.heads.decode(fresh[None], self.embed(after)[None], positions, mask, self.cache)
         self.committed = root_position
         return out[0, -1]
 
@@ -78,7 +79,8 @@ class EagleDrafter:
         seen[:, drafted:] = torch.eye(n, dtype=torch.bool, device=device)
         mask = torch.cat([torch.ones(n, self.committed, dtype=torch.bool, device=device), seen], dim=1)
         positions = torch.full((1, n), self.committed + depth - 1, device=device)
-        return self.model.heads(features[None], self.embed(tokens)[None], positions, mask[None, None], self.cache)[0]
+        return self.model.heads.decode(features[None], self.embed(tokens)[None], positions, mask[None, None],
+                                       self.cache)[0]
 
     @torch.no_grad()
     def fill(self, state: DecodeState, tree: TreeBuffers) -> torch.Tensor:
