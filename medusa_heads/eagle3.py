@@ -163,11 +163,11 @@ class Eagle3Head(ContextDrafter):
         return out + mlp(_rms(out, self.layer.post_attention_layernorm))
 
     def _angles(self, positions: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rotary embedding's cos and sin [T, head_dim] at `positions`, from a table grown as positions do."""
-        needed = int(positions.max()) + 1
+        """The rotary embedding's cos and sin [T, head_dim] at `positions`, from a table of every position the
+        backbone takes (made once; no host read of `positions`, which may live on a GPU)."""
         table = self._rope_table
-        if table is None or table[0].shape[0] < needed or table[0].dtype != like.dtype or table[0].device != like.device:
-            size = max(needed, 2 * table[0].shape[0] if table is not None else 1024)
+        if table is None or table[0].dtype != like.dtype or table[0].device != like.device:
+            size = self.layer.self_attn.config.max_position_embeddings
             cos, sin = self.rotary_emb(like, torch.arange(size, device=like.device)[None])
             table = self._rope_table = cos[0], sin[0]
         return table[0][positions], table[1][positions]

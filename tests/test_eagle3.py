@@ -142,7 +142,7 @@ def test_a_tapped_backbone_still_serves_the_other_head_types(tiny, tokenizer, tm
 
 def test_the_decoding_path_computes_the_layer_s_forward(tiny):
     """`Eagle3Head.decode`, the Llama layer written out, against the modules' `forward`: a commit of 20 positions, then
-    a tree step of 4 entries under a 4D mask, on caches that start equal; then past its rotary table's first size."""
+    a tree step of 4 entries under a 4D mask, on caches that start equal; then at the last positions it takes."""
     heads = tiny.heads
     assert heads._short_decode
     torch.manual_seed(1)
@@ -152,7 +152,7 @@ def test_the_decoding_path_computes_the_layer_s_forward(tiny):
     steps = [(feats, embeds, torch.arange(20)[None], torch.ones(20, 20, dtype=torch.bool).tril()),
              (torch.randn(1, 4, h), torch.randn(1, 4, h), torch.tensor([[20, 21, 21, 22]]),
               torch.cat([torch.ones(4, 20, dtype=torch.bool), tree], dim=1)),
-             (torch.randn(1, 2, 3 * h), torch.randn(1, 2, h), torch.tensor([[3000, 3001]]),
+             (torch.randn(1, 2, 3 * h), torch.randn(1, 2, h), torch.tensor([[510, 511]]),
               torch.ones(2, 26, dtype=torch.bool))]
     caches = DynamicCache(), DynamicCache()
     with torch.no_grad():
