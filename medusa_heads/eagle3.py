@@ -140,8 +140,8 @@ class Eagle3Head(ContextDrafter):
         `forward` for one sequence of the decoding loop ([1, T, ...] inputs, `position_ids` [1, T], a 4D boolean
         mask, a cache), written out for a Llama layer: rotary angles from a table, fused RMSNorms, SDPA over the
         grouped key/value heads in place. A drafter call is a few small matrix products, so the modules' own
-        steps (angles recomputed, eight operations a norm, key/value heads copied per group) were a fifth of its
-        time on this project's CPU. Same function as `forward` up to rounding (tested); the drafts it makes are
+        steps (angles recomputed, eight operations a norm, key/value heads copied per group) were about an eighth
+        of the drafting time on this project's CPU. Same function as `forward` up to rounding (tested); the drafts it makes are
         verified like any others.
         """
         if not self._short_decode or features.shape[0] != 1:

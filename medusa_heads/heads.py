@@ -204,9 +204,6 @@ class HydraHeads(MedusaHeads):
     head_type = "hydra"
     reads_tokens = True
 
-    def owned_projections(self) -> list[nn.Linear]:
-        return [] if self.lm_heads is None else list(self.lm_heads)
-
     def _add_modules(self, config: MedusaConfig) -> None:
         self.mixers = nn.ModuleList(TokenMix(config.hidden_size, j + 1) for j in range(config.num_heads))
 
