@@ -45,10 +45,10 @@ class ContextDrafter(DraftHeads):
             raise ValueError(f"`head_type={cls.head_type!r}` needs a `decoder_config` (the one-layer decoder's "
                              "config).")
 
-    def decode(self, features: torch.Tensor, token_embeds: torch.Tensor, position_ids: torch.Tensor,
-               attention_mask: torch.Tensor, cache) -> torch.Tensor:
-        """`forward` as the decoding loop calls it (no gradient, a cache, explicit positions and mask); a head type
-        may run it by a shorter path that computes the same function."""
+    def decode(self, features: torch.Tensor, token_embeds: torch.Tensor, position_ids: torch.Tensor | None,
+               attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
+        """`forward` as the decoding loop calls it (no gradient, a cache); a head type may run it by a shorter path
+        that computes the same function."""
         return self(features, token_embeds, position_ids, attention_mask, cache)
 
     @contextmanager

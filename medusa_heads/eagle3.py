@@ -116,6 +116,17 @@ class Eagle3Head(ContextDrafter):
         Returns:
             [B, T, H], the output at each entry (before the final norm), fed back when drafting deeper.
         """
+        features, position_ids, attention_mask = self._inputs(features, position_ids, attention_mask, cache)
+        x = torch.cat([self.layer.input_layernorm(token_embeds), self.hidden_norm(features)], dim=-1)
+        attended, _ = self.layer.self_attn(hidden_states=x, position_embeddings=self.rotary_emb(x, position_ids),
+                                           attention_mask=attention_mask, cache=cache)
+        out = features + attended
+        return out + self.layer.mlp(self.layer.post_attention_layernorm(out))
+
+    def _inputs(self, features: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+                cache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward`'s arguments made whole: the backbone's features fused by `fc` (checked), positions after the
+        cache's entries and a causal mask where none are given."""
         h = self.config.hidden_size
         if features.shape[-1] == (1 + len(self.config.feature_layers)) * h:
             features = self.fc(features[..., h:])
@@ -128,27 +139,22 @@ class Eagle3Head(ContextDrafter):
             position_ids = new.expand(*features.shape[:-2], n)
         if attention_mask is None:
             attention_mask = (torch.arange(past + n, device=device)[None, :] <= new[:, None])[None, None]
-        x = torch.cat([self.layer.input_layernorm(token_embeds), self.hidden_norm(features)], dim=-1)
-        attended, _ = self.layer.self_attn(hidden_states=x, position_embeddings=self.rotary_emb(x, position_ids),
-                                           attention_mask=attention_mask, cache=cache)
-        out = features + attended
-        return out + self.layer.mlp(self.layer.post_attention_layernorm(out))
+        return features, position_ids, attention_mask
 
-    def decode(self, features: torch.Tensor, token_embeds: torch.Tensor, position_ids: torch.Tensor,
-               attention_mask: torch.Tensor, cache) -> torch.Tensor:
+    def decode(self, features: torch.Tensor, token_embeds: torch.Tensor, position_ids: torch.Tensor | None,
+               attention_mask: torch.Tensor | None, cache) -> torch.Tensor:
         r"""
-        `forward` for one sequence of the decoding loop ([1, T, ...] inputs, `position_ids` [1, T], a 4D boolean
-        mask, a cache), written out for a Llama layer: rotary angles from a table, fused RMSNorms, SDPA over the
-        grouped key/value heads in place. A drafter call is a few small matrix products, so the modules' own
-        steps (angles recomputed, eight operations a norm, key/value heads copied per group) were about an eighth
-        of the drafting time on this project's CPU. Same function as `forward` up to rounding (tested); the drafts it makes are
-        verified like any others.
+        `forward` for one sequence of the decoding loop ([1, T, ...] inputs and a cache), written out for a Llama
+        layer: rotary angles from a table, fused RMSNorms, SDPA over the grouped key/value heads in place. A
+        drafter call is a few small matrix products, so the modules' own steps (angles recomputed, eight
+        operations a norm, key/value heads copied per group) were about an eighth of the drafting time on this
+        project's CPU. Same function as `forward` up to rounding (tested); the drafts it makes are verified like
+        any others.
         """
         if not self._short_decode or features.shape[0] != 1:
             return self(features, token_embeds, position_ids, attention_mask, cache)
-        h, attn, mlp = self.config.hidden_size, self.layer.self_attn, self.layer.mlp
-        if features.shape[-1] != h:
-            features = self.fc(features[..., h:])
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        features, position_ids, attention_mask = self._inputs(features, position_ids, attention_mask, cache)
         heads, kv_heads, dim = attn.config.num_attention_heads, attn.config.num_key_value_heads, attn.head_dim
         n = features.shape[1]
         x = torch.cat([_rms(token_embeds, self.layer.input_layernorm), _rms(features, self.hidden_norm)], dim=-1)

@@ -43,15 +43,16 @@ def repick_draft_vocab(heads: DraftHeads, token_ids: torch.Tensor, lm_head_weigh
     where = torch.full((vocab,), -1, dtype=torch.long, device=device)
     where[old.to(device)] = torch.arange(old.numel(), device=device)
     where = where[token_ids]
-    kept, new = token_ids[where >= 0], token_ids[where < 0]
+    known = where >= 0
+    kept, new = token_ids[known], token_ids[~known]
     for projection in heads.owned_projections():
         weight = projection.weight
         rows = torch.empty(token_ids.numel(), weight.shape[1], dtype=weight.dtype, device=weight.device)
-        rows[where >= 0] = weight[where[where >= 0]]
+        rows[known] = weight[where[known]]
         if new.numel():
             source = lm_head_weight[kept].to(weight.device, torch.float64)
-            mapping = torch.linalg.lstsq(source, weight[where[where >= 0]].double()).solution  # [H, H]
-            rows[where < 0] = (lm_head_weight[new].to(weight.device, torch.float64) @ mapping).to(weight.dtype)
+            mapping = torch.linalg.lstsq(source, rows[known].double()).solution  # [H, H]
+            rows[~known] = (lm_head_weight[new].to(weight.device, torch.float64) @ mapping).to(weight.dtype)
         projection.weight = torch.nn.Parameter(rows, requires_grad=weight.requires_grad)
         projection.out_features = token_ids.numel()
     if "draft_vocab" not in heads._buffers:

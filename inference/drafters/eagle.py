@@ -63,8 +63,7 @@ class EagleDrafter:
         device = fresh.device
         after = torch.tensor(state.token_ids[start + 1 :], device=device)  # the token after each fresh position
         positions = torch.arange(start, root_position, device=device)[None]
-        mask = (torch.arange(root_position, device=device)[None, :] <= positions[0, :, None])[None, None]
-        out = self.model.heads.decode(fresh[None], self.embed(after)[None], positions, mask, self.cache)
+        out = self.model.heads.decode(fresh[None], self.embed(after)[None], positions, None, self.cache)
         self.committed = root_position
         return out[0, -1]
 
