@@ -30,8 +30,9 @@ def test_speedup_is_the_median_per_prompt_ratio_against_hf():
     assert m["mean_accepted_length"] == 2.0 and m["identical_outputs"] == 2
     table = markdown({"summary": summary, "max_new_tokens": 8, "repeats": 1,
                       "fingerprint": {"dtype": "float32", "device": "cpu", "cpu": "x", "threads": 2,
-                                      "torch": "t", "transformers": "t"}})
+                                      "cpu_features": ["avx2", "avx512_bf16"], "torch": "t", "transformers": "t"}})
     assert "| medusa:cpu-8 | 15.0 | 1.50x (1.00-2.00) | 2.00 | 2/3 |" in table
+    assert "float32 on cpu (x; avx2, avx512_bf16, 2 threads)" in table
 
 
 def test_report_files(tmp_path):

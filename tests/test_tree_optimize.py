@@ -13,7 +13,8 @@ from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.apps.cli import main
 from medusa_heads.apps.calibrate import (Calibration, calibrate, load_calibration, parse_rows, read_rows,
                                               to_conversations)
-from medusa_heads.apps.profile import LatencyProfile, cached_profile, load_profile, measure_profile, profile_path
+from medusa_heads.apps.profile import (LatencyProfile, cached_profile, cpu_description, load_profile, measure_profile,
+                                       profile_path)
 from medusa_heads.inference import GenerationStats, make_drafter
 from medusa_heads.model import untrained_heads
 from medusa_heads.tree import build_tree, load_tree
@@ -291,6 +292,24 @@ def test_the_profile_s_steps_gather_the_deepest_path(bigram_model):
     state = DecodeState(ids, ids[-1], hidden[0, -1])
     accepted, new, _ = tree_decode_step(bigram_model, MedusaDrafter(bigram_model, tree), _DeepestPath(), cache, state)
     assert tree.max_depth >= 2 and accepted.depth == tree.max_depth and len(new) == tree.max_depth + 1
+
+
+def _cpuinfo(family: int, flags: str) -> str:
+    return "".join(f"processor\t: {i}\nvendor_id\t: AuthenticAMD\ncpu family\t: {family}\nmodel\t\t: 2\n"
+                   f"model name\t: AMD EPYC\nflags\t\t: fpu {flags} sse\n\n" for i in range(2))
+
+
+def test_profiles_of_cpu_generations_named_alike_are_cached_apart(bigram_model, tmp_path, monkeypatch):
+    zen4, zen5 = _cpuinfo(25, "avx2 avx512f avx512_bf16"), _cpuinfo(26, "avx512_vnni avx2 avx512f avx512_bf16")
+    assert cpu_description(zen4, "x86_64") == ("AMD EPYC, family 25 model 2 (x86_64)", ["avx2", "avx512f", "avx512_bf16"])
+    assert cpu_description(zen5, "x86_64")[1] == ["avx2", "avx512f", "avx512_bf16", "avx512_vnni"]
+    assert cpu_description("", "aarch64")[1] == []
+    monkeypatch.setenv("MEDUSA_HEADS_HOME", str(tmp_path))
+    paths = []
+    for text in (zen4, zen5):
+        monkeypatch.setattr("medusa_heads.apps.profile._cpuinfo", lambda text=text: text)
+        paths.append(profile_path(bigram_model))
+    assert paths[0] != paths[1] and "family-25" in paths[0].name
 
 
 def test_profile_measures_and_is_cached(bigram_model, tmp_path, monkeypatch):

@@ -29,6 +29,7 @@ from medusa_heads.packing import PackedLinear, pack_linears, stock_linears
 from medusa_heads.quantize import quantization_of
 
 from .memory import PeakMemory
+from .profile import cpu_features, device_name
 
 
 @dataclass
@@ -235,8 +236,8 @@ def read_bench_prompts(path: Path, limit: int | None = None, per_category: int |
 
 
 def fingerprint(model) -> dict:
-    return {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-            "torch": torch.__version__, "transformers": transformers.__version__,
+    return {"cpu": device_name(torch.device("cpu")), "cpu_features": cpu_features(),
+            "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": torch.get_num_threads(), "dtype": str(model.backbone.dtype), "device": str(model.device),
             "quantize": quantization_of(model.backbone),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
@@ -416,7 +417,8 @@ def markdown(result: dict) -> str:
                      + (f" {memory:.0f} |" if memory is not None else " - |"))
     fp = result["fingerprint"]
     weights = f", {fp['quantize']} weights" if fp.get("quantize", "none") != "none" else ""
-    lines.append(f"\n{fp['dtype']}{weights} on {fp['device']} ({fp['cpu']}, {fp['threads']} threads), "
+    features = f"; {', '.join(fp['cpu_features'])}" if fp.get("cpu_features") else ""
+    lines.append(f"\n{fp['dtype']}{weights} on {fp['device']} ({fp['cpu']}{features}, {fp['threads']} threads), "
                  f"torch {fp['torch']}, transformers {fp['transformers']}, {result['max_new_tokens']} new tokens, "
                  f"{result['repeats']} repeat(s)"
                  + (f", {result['prompts']} prompts in {result['wall_seconds'] / 60:.1f} min (warm-up and "
