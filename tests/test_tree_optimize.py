@@ -301,7 +301,7 @@ def _cpuinfo(family: int, flags: str) -> str:
 
 def test_profiles_of_cpu_generations_named_alike_are_cached_apart(bigram_model, tmp_path, monkeypatch):
     zen4, zen5 = _cpuinfo(25, "avx2 avx512f avx512_bf16"), _cpuinfo(26, "avx512_vnni avx2 avx512f avx512_bf16")
-    assert cpu_description(zen4, "x86_64") == ("AMD EPYC, family 25 model 2 (x86_64)", ["avx2", "avx512f", "avx512_bf16"])
+    assert cpu_description(zen4, "x86_64") == ("AMD EPYC (x86_64, family 25 model 2)", ["avx2", "avx512f", "avx512_bf16"])
     assert cpu_description(zen5, "x86_64")[1] == ["avx2", "avx512f", "avx512_bf16", "avx512_vnni"]
     assert cpu_description("", "aarch64")[1] == []
     monkeypatch.setenv("MEDUSA_HEADS_HOME", str(tmp_path))

@@ -96,10 +96,10 @@ def cpu_description(cpuinfo: str, machine: str) -> tuple[str, list[str]]:
     decodes at about half or the whole speed of the other)."""
     fields = dict(re.findall(r"^(model name|cpu family|model|flags)\s*:\s*(.*)$", cpuinfo, re.MULTILINE))
     name = fields.get("model name", "").strip() or platform.processor() or "cpu"
-    if fields.get("cpu family", "").strip() and fields.get("model", "").strip():
-        name += f", family {fields['cpu family'].strip()} model {fields['model'].strip()}"
+    family, model = fields.get("cpu family", "").strip(), fields.get("model", "").strip()
+    generation = f", family {family} model {model}" if family and model else ""
     flags = set(fields.get("flags", "").split())
-    return f"{name} ({machine})", [f for f in CPU_FEATURES if f in flags]
+    return f"{name} ({machine}{generation})", [f for f in CPU_FEATURES if f in flags]
 
 
 def device_name(device: torch.device) -> str:
