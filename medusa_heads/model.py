@@ -25,7 +25,7 @@ from .head_types import head_type_class
 from .heads import DraftHeads
 from .ngram_store import NgramStore, find_store
 from .packing import fuse_siblings, pack_linears
-from .quantize import check_quantize, quantize_backbone
+from .quantize import check_quantize, draft_weights_quantization, quantize_backbone, quantize_draft_weights
 
 if TYPE_CHECKING:
     from peft import PeftConfig, PeftModel
@@ -230,6 +230,9 @@ class MedusaModel(nn.Module):
 
     def save_pretrained(self, folder: str | Path) -> Path:
         """Write the heads, their adapter and n-gram store: the exact inverse of `from_pretrained`."""
+        if (kind := draft_weights_quantization(self)) != "none":
+            raise MedusaError(f"These heads draft with {kind} weights (`quantize_drafter`), which would not load back as "
+                              "heads: save the float heads they were loaded from.")
         return save_heads(folder, self.heads, adapter=self.adapter, store=self.ngram_store)
 
     @property
@@ -290,6 +293,7 @@ class MedusaModel(nn.Module):
         num_heads: int = 4,
         pack_weights: bool = True,
         quantize: str = "none",
+        quantize_drafter: str = "none",
     ) -> "MedusaModel":
         r"""
         Load backbone + heads.
@@ -306,6 +310,8 @@ class MedusaModel(nn.Module):
                 layers reading the same input (q/k/v, gate/up) share one packed product (`packing.fuse_siblings`).
             quantize: `none`, `int8` or `int4`: the backbone's decoder computes with int8 or 4-bit weights
                 (`quantize.py`, CPU only); packing then covers the layers left in float (the LM head).
+            quantize_drafter: `none`, `int8` or `int4`: the same for the drafting weights (the heads' own layers and
+                their draft-vocabulary projection; CPU only). Lossless: only the drafts change, the backbone verifies.
 
         A backbone running transformers' `sdpa` attention switches to `sdpa_tree_gqa` (`attention.py`: tree steps
         read grouped key/value heads in place; bit-identical). These and `quantize` change a `base_model` passed in,
@@ -313,6 +319,7 @@ class MedusaModel(nn.Module):
         """
         dtype = parse_dtype(dtype, device)
         check_quantize(quantize, device)
+        check_quantize(quantize_drafter, device)
         if heads_path is None and not isinstance(base_model, PreTrainedModel):
             heads_path = shipped_heads(base_model or EMBEDDED_MODEL)
         heads = load_heads(heads_path, dtype=dtype) if heads_path is not None else None
@@ -331,6 +338,7 @@ class MedusaModel(nn.Module):
             heads = untrained_heads(backbone, name, num_heads=num_heads, gguf_file=gguf)
         quantize_backbone(backbone, quantize)  # after the adapter is merged into the float weights
         model = cls(backbone, heads.to(device=backbone.device, dtype=backbone.dtype), adapter)
+        quantize_draft_weights(model, quantize_drafter)
         use_tree_gqa_attention(model.backbone)
         if pack_weights:
             model.heads.requires_grad_(False)  # a packed model decodes: its heads are frozen like the backbone

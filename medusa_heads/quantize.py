@@ -162,23 +162,37 @@ def kernel_slowdown(layer: QuantizedLinear, dtype: torch.dtype, repeats: int = 7
     return seconds["quantized"] / seconds["float"]
 
 
-def quantize_backbone(backbone: nn.Module, name: str) -> int:
-    """Quantize the linear layers of `backbone`'s decoder as `name` says, in place; returns how many. Call it once
-    the backbone is on its device in its dtype and frozen."""
+def _wanted(name: str, backbone: nn.Module) -> bool:
+    """Whether `name` quantizes anything (not `none`); a one-line MedusaError where it cannot run on `backbone`."""
     if check_quantize(name, backbone.device) == "none":
-        return 0
+        return False
     if backbone.dtype not in (torch.float32, torch.bfloat16):
         raise MedusaError(f"`{name}` quantization needs a float32 or bfloat16 backbone, not {backbone.dtype}.")
-    decoder = backbone.get_decoder()
-    targets = [(name_, m) for name_, m in decoder.named_modules() if type(m) is nn.Linear]
+    return True
+
+
+def _quantize_linears(root: nn.Module, name: str, what: str, skip: str = "") -> list[QuantizedLinear]:
+    """Replace every `nn.Linear` under `root` but those under its submodule `skip` by its `name` quantized layer, in
+    place; `what` names them in errors."""
+    targets = [(path, m) for path, m in root.named_modules()
+               if type(m) is nn.Linear and not (skip and (path + ".").startswith(skip + "."))]
     if name == "int4" and any(m.in_features % GROUP_SIZE for _, m in targets):
-        raise MedusaError(f"`int4` quantization needs layers whose inputs divide into groups of {GROUP_SIZE}; this "
-                          f"backbone has {sorted({m.in_features for _, m in targets})}.")
+        raise MedusaError(f"`int4` quantization needs layers whose inputs divide into groups of {GROUP_SIZE}; {what} "
+                          f"has {sorted({m.in_features for _, m in targets})}.")
     layers = []
     for path, linear in targets:
         parent, _, child = path.rpartition(".")
         layers.append(QUANTIZED_LAYERS[name](linear))
-        setattr(decoder.get_submodule(parent), child, layers[-1])
+        setattr(root.get_submodule(parent), child, layers[-1])
+    return layers
+
+
+def quantize_backbone(backbone: nn.Module, name: str) -> int:
+    """Quantize the linear layers of `backbone`'s decoder as `name` says, in place; returns how many. Call it once
+    the backbone is on its device in its dtype and frozen."""
+    if not _wanted(name, backbone):
+        return 0
+    layers = _quantize_linears(backbone.get_decoder(), name, "this backbone")
     # int8 only: one layer timed alone has its weight in cache, which flatters the float product; int4 measured
     # 1.2x slower so, and a whole step 0.75x the float time (docs/benchmarks.md). int8 was 4-5x slower both ways.
     if layers and name == "int8":
@@ -187,10 +201,25 @@ def quantize_backbone(backbone: nn.Module, name: str) -> int:
             logger.warning("int8 weights compute %.1fx slower than %s on this CPU (torch's int8 kernel is fast only "
                            "with AVX512-VNNI or AMX): decoding will be slower than with `--quantize none`.",
                            slowdown, str(backbone.dtype).removeprefix("torch."))
-    return len(targets)
+    return len(layers)
+
+
+def quantize_draft_weights(model: nn.Module, name: str) -> int:
+    """Quantize a `MedusaModel`'s drafting weights as `name` says, in place: the linear layers its heads own and its
+    copy of the backbone's draft-vocabulary rows, never the backbone's own LM head, which verifies. Lossless: the
+    drafts may change a little, every committed token is still the backbone's. Returns how many layers."""
+    if not _wanted(name, model.backbone):
+        return 0
+    # a projection that is the backbone's LM head is listed once, under the backbone
+    return len(_quantize_linears(model, name, "this drafter", skip="backbone"))
 
 
 def quantization_of(model: nn.Module) -> str:
     """The quantization `quantize_backbone` applied to `model`, or `none`."""
     kinds = {name for name, kind in QUANTIZED_LAYERS.items() for m in model.modules() if isinstance(m, kind)}
     return kinds.pop() if kinds else "none"
+
+
+def draft_weights_quantization(model: nn.Module) -> str:
+    """The quantization `quantize_draft_weights` applied to a `MedusaModel`, or `none`."""
+    return quantization_of(nn.ModuleList(m for name, m in model.named_children() if name != "backbone"))

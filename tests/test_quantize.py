@@ -1,5 +1,6 @@
 """An int8 or int4 backbone (`medusa_heads/quantize.py`): the weights are quantized, packing leaves them alone, and
-greedy tree decoding on it is HF `generate`'s greedy output on the same quantized model (fp32 activations)."""
+greedy tree decoding on it is HF `generate`'s greedy output on the same quantized model (fp32 activations). Int8 or
+int4 drafting weights leave the backbone, and so the output, as they are."""
 
 import pytest
 import torch
@@ -9,14 +10,15 @@ from medusa_heads import EMBEDDED_MODEL, MedusaModel, load_backbone
 from medusa_heads.errors import MedusaError
 from medusa_heads.inference import make_drafter
 from medusa_heads.inference.generate import encode_prompt
-from medusa_heads.model import save_heads, untrained_heads
+from medusa_heads.model import load_heads, save_heads, untrained_heads
 from medusa_heads.packing import PackedLinear, stock_linears
 from medusa_heads.quantize import (DEQUANTIZED_ROWS, GROUP_SIZE, Int4Linear, Int8Linear, QUANTIZED_LAYERS,
-                                   quantization_of, quantize_backbone)
+                                   QuantizedLinear, draft_weights_quantization, quantization_of, quantize_backbone,
+                                   quantize_draft_weights)
 from medusa_heads.training.recipe import load_recipe
 from medusa_heads.training.trainer import train
 
-from conftest import MEDUSA_HEADS  # noqa: E402
+from conftest import MEDUSA_HEADS, SHIPPED_HEADS  # noqa: E402
 from oracle import assert_exact, hf_greedy  # noqa: E402
 
 
@@ -87,6 +89,73 @@ def test_tree_decoding_on_a_quantized_backbone_is_hf_greedy_on_the_same_model(ti
     assert max(longest) > 2  # several tokens were verified in one forward and committed, not one a step
 
 
+def random_eagle3_folder(backbone_folder, folder):
+    """A saved random EAGLE-3 drafter: linear layers to quantize (Medusa and Hydra heads keep their blocks in plain
+    parameters) whose guesses depend on their weights."""
+    torch.manual_seed(0)
+    heads = untrained_heads(load_backbone(str(backbone_folder)), str(backbone_folder), 4, share_lm_head=False,
+                            head_type="eagle3")
+    for name, p in heads.named_parameters():
+        if "norm" not in name:
+            p.data.normal_(std=0.1)
+    return save_heads(folder, heads)
+
+
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
+def test_quantized_draft_weights_leave_the_backbone_and_its_greedy_output_alone(tiny_backbone, tmp_path, quantize):
+    folder = random_eagle3_folder(tiny_backbone, tmp_path / "heads")
+    model = MedusaModel.from_pretrained(folder, base_model=str(tiny_backbone), quantize_drafter=quantize)
+    float_model = MedusaModel.from_pretrained(folder, base_model=str(tiny_backbone))
+    drafting = [m for m in model.heads.modules() if isinstance(m, (nn.Linear, QuantizedLinear, PackedLinear))]
+    assert drafting and all(type(m) is QUANTIZED_LAYERS[quantize] for m in drafting)
+    assert not any(isinstance(m, QuantizedLinear) for m in model.backbone.modules())  # the tied LM head included
+    assert draft_weights_quantization(model) == quantize and draft_weights_quantization(float_model) == "none"
+    torch.manual_seed(2)
+    features, tokens = torch.randn(1, 3, 32), torch.randn(1, 3, 32)
+    with torch.no_grad():
+        quantized, exact = (m.heads.project(0, m.heads(features, tokens)) for m in (model, float_model))
+    rounding = 0.05 if quantize == "int8" else 0.25  # 255 or 16 levels a row or group
+    assert 0 < (quantized - exact).abs().max() < rounding * exact.abs().max()  # the float drafter up to its rounding
+    prompts = [torch.randint(3, 400, (1, n)) for n in (9, 17)]
+    with stock_linears(model.backbone):
+        references = [(ids, hf_greedy(model.backbone, ids, 32)) for ids in prompts]
+    for name, options in (("medusa", {"tree": "cpu-8"}), ("dynamic", {"budget": 6})):
+        assert_exact(model, model.backbone, references, make_drafter(model, name, **options), 32)
+    with pytest.raises(MedusaError, match="draft with .* weights .* would not load back as heads"):
+        model.save_pretrained(tmp_path / "copy")
+    assert not (tmp_path / "copy").exists()
+
+
+def test_bench_quantizes_the_drafting_weights_of_other_heads_as_the_main_ones(tiny_backbone, tmp_path):
+    from medusa_heads.apps.bench import with_heads
+
+    folder = random_eagle3_folder(tiny_backbone, tmp_path / "heads")
+    seen = []
+    for quantize in ("int8", "none"):
+        model = MedusaModel.from_pretrained(folder, base_model=str(tiny_backbone), quantize_drafter=quantize)
+        with_heads(lambda other, ids, n: seen.append(draft_weights_quantization(other)), str(folder))(model, None, 1)
+    assert seen == ["int8", "none"]
+
+
+@pytest.mark.parametrize("heads", ["smollm2-135m-embedded", "smollm2-135m-embedded-eagle3"])
+def test_int8_drafting_weights_on_the_embedded_model_decode_as_hf_and_draft_as_well(tokenizer, chat_prompts, heads):
+    folder = SHIPPED_HEADS[EMBEDDED_MODEL].parent / heads
+    float_model = MedusaModel.from_pretrained(folder, EMBEDDED_MODEL, dtype=torch.float32)
+    model = MedusaModel(float_model.backbone, load_heads(folder, dtype=torch.float32))  # the same backbone
+    assert quantize_draft_weights(model, "int8") >= 1
+    if model.heads.config.share_lm_head:  # the Hydra heads' copy of the backbone's draft-vocabulary rows
+        assert type(model.projection) is Int8Linear
+    prompts = [encode_prompt(tokenizer, p) for p in chat_prompts[:2]]
+    with stock_linears(model.backbone):
+        references = [(ids, hf_greedy(model.backbone, ids, 48)) for ids in prompts]
+    drafter, float_drafter = (make_drafter(m, "medusa+ngram" if heads.endswith("eagle3") else "medusa",
+                                           tree="eagle3-bf16-8" if heads.endswith("eagle3") else "cpu-8")
+                              for m in (model, float_model))
+    steps = [sum(len(s.accepted_lengths) for s in assert_exact(m, m.backbone, references, d, 48))
+             for m, d in ((model, drafter), (float_model, float_drafter))]
+    assert steps[0] <= 1.1 * steps[1]  # the int8 drafter's guesses are accepted about as often
+
+
 def test_bad_quantize_values_are_one_line_errors(tiny_backbone, cli, tmp_path):
     with pytest.raises(MedusaError, match="Unknown quantization `int2`; use one of none, int8, int4"):
         MedusaModel.from_pretrained(None, base_model=load_backbone(str(tiny_backbone)), quantize="int2")
@@ -94,8 +163,11 @@ def test_bad_quantize_values_are_one_line_errors(tiny_backbone, cli, tmp_path):
         MedusaModel.from_pretrained(None, base_model=str(tiny_backbone), quantize="int8", device="cuda")
     with pytest.raises(MedusaError, match="needs a float32 or bfloat16 backbone"):
         quantize_backbone(load_backbone(str(tiny_backbone), dtype=torch.float16), "int8")
-    with pytest.raises(SystemExit):
-        cli("generate", "--prompt", "hi", "--model", str(tiny_backbone), "--quantize", "int2")
+    with pytest.raises(MedusaError, match="runs on the CPU only"):
+        MedusaModel.from_pretrained(None, base_model=str(tiny_backbone), quantize_drafter="int8", device="cuda")
+    for flag in ("--quantize", "--quantize-drafter"):
+        with pytest.raises(SystemExit):
+            cli("generate", "--prompt", "hi", "--model", str(tiny_backbone), flag, "int2")
     with pytest.raises(MedusaError, match="`quantize` must be one of none, int8, int4, got 'fp8'"):
         load_recipe(None, {"quantize": "fp8"})
     with pytest.raises(MedusaError, match="`medusa2` trains adapters on the float backbone"):

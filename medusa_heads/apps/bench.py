@@ -26,7 +26,7 @@ from medusa_heads.inference.generate import encode_prompt, eos_token_ids
 from medusa_heads.inference.registry import ACCEPTANCE_RULES, DRAFTERS, INT_OPTIONS, check_drafter_options
 from medusa_heads.model import MedusaModel, load_heads
 from medusa_heads.packing import PackedLinear, pack_linears, stock_linears
-from medusa_heads.quantize import quantization_of
+from medusa_heads.quantize import draft_weights_quantization, quantization_of, quantize_draft_weights
 
 from .memory import PeakMemory
 from .profile import cpu_features, device_name
@@ -193,6 +193,7 @@ def with_heads(method, heads_path: str):
             if heads.config.base_model_adapter:
                 raise MedusaError(f"`{heads_path}` comes with a LoRA adapter; bench it as the main `--heads`.")
             other = MedusaModel(model.backbone, heads)
+            quantize_draft_weights(other, draft_weights_quantization(model))  # as the main heads
             if any(isinstance(m, PackedLinear) for m in model.backbone.modules()):
                 # as `from_pretrained` packs the main model: the heads and their draft-vocabulary projection (the
                 # backbone's linears are packed already), else these would draft slower
@@ -239,7 +240,7 @@ def fingerprint(model) -> dict:
     return {"cpu": device_name(torch.device("cpu")), "cpu_features": cpu_features(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": torch.get_num_threads(), "dtype": str(model.backbone.dtype), "device": str(model.device),
-            "quantize": quantization_of(model.backbone),
+            "quantize": quantization_of(model.backbone), "quantize_drafter": draft_weights_quantization(model),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
@@ -417,6 +418,8 @@ def markdown(result: dict) -> str:
                      + (f" {memory:.0f} |" if memory is not None else " - |"))
     fp = result["fingerprint"]
     weights = f", {fp['quantize']} weights" if fp.get("quantize", "none") != "none" else ""
+    if fp.get("quantize_drafter", "none") != "none":
+        weights += f", {fp['quantize_drafter']} drafter weights"
     features = f"; {', '.join(fp['cpu_features'])}" if fp.get("cpu_features") else ""
     lines.append(f"\n{fp['dtype']}{weights} on {fp['device']} ({fp['cpu']}{features}, {fp['threads']} threads), "
                  f"torch {fp['torch']}, transformers {fp['transformers']}, {result['max_new_tokens']} new tokens, "

@@ -18,6 +18,9 @@ from .bench import method_syntax
 
 QUANTIZE_HELP = ("int8 or int4: the backbone's decoder computes with int8 weights, or 4-bit ones in groups of 32 "
                  "(bf16 activations) (CPU only; docs/benchmarks.md)")
+QUANTIZE_DRAFTER_HELP = ("int8 or int4: the drafter's own weights (its layers, its draft-vocabulary projection) "
+                         "quantized as --quantize does the backbone's; lossless, as the backbone still verifies every "
+                         "token (CPU only)")
 
 
 def _add_runtime_args(p: argparse.ArgumentParser) -> None:
@@ -72,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--quantize", choices=QUANTIZATIONS, default="none", help=QUANTIZE_HELP)
+    g.add_argument("--quantize-drafter", choices=QUANTIZATIONS, default="none", help=QUANTIZE_DRAFTER_HELP)
     _add_runtime_args(g)
     g.set_defaults(dtype="auto")
 
@@ -134,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="in bf16/fp16, skip comparing outputs with fp32 greedy")
     b.add_argument("--quantize", choices=QUANTIZATIONS, default="none", help=QUANTIZE_HELP + "; every method, the "
                    "HF ones and the fp32 reference included, runs the same quantized backbone")
+    b.add_argument("--quantize-drafter", choices=QUANTIZATIONS, default="none", help=QUANTIZE_DRAFTER_HELP + "; "
+                   "--alt-heads too")
     _add_runtime_args(b)
     e = sub.add_parser("export", help="write Medusa heads or an EAGLE or EAGLE-3 drafter in the layout a serving "
                        "engine reads")
@@ -198,6 +204,7 @@ def _add_serve_command(sub) -> None:
     s.add_argument("--draft-model", help="as for generate")
     s.add_argument("--draft-length", type=int, help="as for generate")
     s.add_argument("--exit-layer", type=int, help="as for generate")
+    s.add_argument("--quantize-drafter", choices=QUANTIZATIONS, default="none", help="as for generate")
     s.add_argument("--budget", type=int, help="as for generate")
     s.add_argument("--depth", type=int, help="as for generate")
     s.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
@@ -225,7 +232,8 @@ def _bench(args) -> None:
         raise MedusaError("`--alt-heads` takes LABEL=PATH.")
     alt_heads = dict(pair.split("=", 1) for pair in args.alt_heads)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
-                                        quantize=args.quantize)
+                                        quantize=args.quantize,
+                                        quantize_drafter=args.quantize_drafter)
     tokenizer = _tokenizer(args, model)
     fp32 = None
     if model.backbone.dtype != torch.float32 and not args.no_fp32_reference:
@@ -279,7 +287,8 @@ def _generate(args) -> None:
         _generate_file(args, options, acceptance, by_batch)
         return
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
-                                        quantize=args.quantize)
+                                        quantize=args.quantize,
+                                        quantize_drafter=args.quantize_drafter)
     tokenizer = _tokenizer(args, model)
     drafter = make_drafter(model, args.drafter, **options)
     if args.json:
@@ -319,7 +328,8 @@ def _generate_file(args, options: dict, acceptance, by_batch: bool) -> None:
         raise MedusaError("Sampling with --prompts-file needs --batch-size 1 (each answer its own random draws).")
     rows = read_bench_prompts(args.prompts_file)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
-                                        quantize=args.quantize)
+                                        quantize=args.quantize,
+                                        quantize_drafter=args.quantize_drafter)
     tokenizer = _tokenizer(args, model)
     start, tokens = time.perf_counter(), 0
     for first in range(0, len(rows), args.batch_size):
@@ -351,6 +361,7 @@ def _configuration(args, model, drafter, options: dict) -> str:
     return (f"drafter {args.drafter}" + (f" ({', '.join(taken)})" if taken else "")
             + f", up to {drafter.tree.size} tree nodes; {model.heads.head_type} heads {heads}; "
             f"{args.acceptance} acceptance; {dtype}" + (f", {args.quantize} weights" if args.quantize != "none" else "")
+            + (f", {args.quantize_drafter} drafter weights" if args.quantize_drafter != "none" else "")
             + f" on {model.device}")
 
 
@@ -411,7 +422,8 @@ def _serve(args) -> None:
             raise MedusaError(f"`{flag}` must be at least 1, got {value}.")
     options = check_drafter_options(args.drafter, **{name: getattr(args, name) for name in OPTIONS})
     sock = listen(args.host, args.port)
-    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device)
+    model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
+                                        quantize_drafter=args.quantize_drafter)
     run_server(sock, model, _tokenizer(args, model), _backbone_name(args, model), args.drafter, options,
                args.acceptance, args.max_queue, args.max_batch, args.verbose)
 
