@@ -232,8 +232,7 @@ def _bench(args) -> None:
         raise MedusaError("`--alt-heads` takes LABEL=PATH.")
     alt_heads = dict(pair.split("=", 1) for pair in args.alt_heads)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
-                                        quantize=args.quantize,
-                                        quantize_drafter=args.quantize_drafter)
+                                        quantize=args.quantize, quantize_drafter=args.quantize_drafter)
     tokenizer = _tokenizer(args, model)
     fp32 = None
     if model.backbone.dtype != torch.float32 and not args.no_fp32_reference:
@@ -287,8 +286,7 @@ def _generate(args) -> None:
         _generate_file(args, options, acceptance, by_batch)
         return
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
-                                        quantize=args.quantize,
-                                        quantize_drafter=args.quantize_drafter)
+                                        quantize=args.quantize, quantize_drafter=args.quantize_drafter)
     tokenizer = _tokenizer(args, model)
     drafter = make_drafter(model, args.drafter, **options)
     if args.json:
@@ -328,8 +326,7 @@ def _generate_file(args, options: dict, acceptance, by_batch: bool) -> None:
         raise MedusaError("Sampling with --prompts-file needs --batch-size 1 (each answer its own random draws).")
     rows = read_bench_prompts(args.prompts_file)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
-                                        quantize=args.quantize,
-                                        quantize_drafter=args.quantize_drafter)
+                                        quantize=args.quantize, quantize_drafter=args.quantize_drafter)
     tokenizer = _tokenizer(args, model)
     start, tokens = time.perf_counter(), 0
     for first in range(0, len(rows), args.batch_size):
