@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_MEDUSA = REPO / "medusa_heads" / "pretrained" / "smollm2-135m-embedded-medusa"
 SHIPPED_EAGLE = REPO / "medusa_heads" / "pretrained" / "smollm2-135m-embedded-eagle"
+SHIPPED_EAGLE3 = REPO / "medusa_heads" / "pretrained" / "smollm2-135m-embedded-eagle3"
 # The project's embedded default backbone as the HF folder it caches (what `medusa-heads bench` runs by default).
 EMBEDDED_FOLDER = Path(os.environ.get("MEDUSA_HEADS_HOME", Path.home() / ".cache" / "medusa-heads")) / "models" \
     / "smollm2-135m-embedded-v1"
@@ -80,7 +81,8 @@ def run_ours(cli: Path, methods: list[str], args, out: Path) -> dict:
     command = [str(cli), "bench", "--prompts", str(args.prompts), "--methods", ",".join(["hf", *methods]),
                "--max-new-tokens", str(args.max_tokens), "--dtype", args.dtype, "--threads", str(args.threads),
                "--no-fp32-reference", "--out", str(out),
-               "--alt-heads", f"medusa={SHIPPED_MEDUSA}", "--alt-heads", f"eagle={SHIPPED_EAGLE}"]
+               "--alt-heads", f"medusa={SHIPPED_MEDUSA}", "--alt-heads", f"eagle={SHIPPED_EAGLE}",
+               "--alt-heads", f"eagle3={SHIPPED_EAGLE3}", "--quantize-drafter", args.quantize_drafter]
     if args.limit:
         command += ["--limit", str(args.limit)]
     print("this project's runtime:", " ".join(command), flush=True)
@@ -238,8 +240,10 @@ def main() -> None:
                         help="another drafter vLLM reads as `method` METHOD (repeatable)")
     parser.add_argument("--ours", default="medusa+ngram:cpu-16,medusa:cpu-16",
                         help="this project's methods as `medusa-heads bench` names them (HF greedy is always "
-                             "added; `METHOD#medusa` and `METHOD#eagle` use the shipped Medusa heads and EAGLE "
-                             "drafter); empty to skip")
+                             "added; `METHOD#medusa`, `METHOD#eagle` and `METHOD#eagle3` use the shipped Medusa "
+                             "heads, EAGLE and EAGLE-3 drafters); empty to skip")
+    parser.add_argument("--quantize-drafter", default="none", help="this project's runtime: as for `medusa-heads "
+                        "bench` (int8: the drafters' own weights in int8, lossless)")
     parser.add_argument("--project-cli", type=Path, default=REPO / ".venv" / "bin" / "medusa-heads",
                         help="this project's `medusa-heads`, in its own virtual environment")
     parser.add_argument("--cores", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND unless already set")
