@@ -69,8 +69,10 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    model = MedusaModel.from_pretrained(None, dtype=args.dtype, device=args.device)
+    # inductor cannot lower the linear layers packed for oneDNN: a compiled model is loaded without packing
+    model = MedusaModel.from_pretrained(None, dtype=args.dtype, device=args.device, pack_weights=not args.compile)
     if args.compile:
+        model.requires_grad_(False)
         compile_backbone(model.backbone, None if args.compile == "default" else args.compile)
     tokenizer = load_tokenizer(model.config.base_model_name_or_path, gguf_file=model.config.base_model_gguf_file)
     prompts = [encode_prompt(tokenizer, row["prompt"])[0].tolist()

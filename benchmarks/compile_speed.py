@@ -1,9 +1,10 @@
 r"""
 What `torch.compile` gives on this device, for HF greedy and for tree decoding, side by side in one process.
 
-Eager first: HF `generate` greedy and each method on the same prompts, interleaved. Then the backbone's decoder is
-compiled (`compile_backbone`, inductor, dynamic sizes), a warm-up prompt pays for the compilation, and the same
-runs are repeated. The table gives tokens/s (median over prompts) and the two ratios the fast-path issue asks
+Eager first, as the runtime loads a model (linear layers packed for oneDNN): HF `generate` greedy and each method
+on the same prompts, interleaved. Then the model is loaded again without packing (inductor cannot lower the packed
+layers), its backbone's decoder compiled (`compile_backbone`, inductor, dynamic sizes), a warm-up prompt pays for
+the compilation, and the same runs are repeated. The table gives tokens/s (median over prompts) and the two ratios the fast-path issue asks
 for: compiled over eager for HF greedy, and for each tree-decoding method.
 
     python benchmarks/compile_speed.py --prompts benchmarks/prompts.jsonl --limit 8 --dtype bfloat16 \
@@ -60,13 +61,16 @@ def main() -> None:
     parser.add_argument("--mode", help="torch.compile mode (default: inductor's default)")
     args = parser.parse_args()
 
-    model = MedusaModel.from_pretrained(None, dtype=args.dtype)
+    model = MedusaModel.from_pretrained(None, dtype=args.dtype)  # eager as the runtime runs: packed for oneDNN
     tokenizer = load_tokenizer(model.config.base_model_name_or_path, gguf_file=model.config.base_model_gguf_file)
     prompts = [encode_prompt(tokenizer, row["prompt"]) for row in read_bench_prompts(args.prompts, args.limit + 1)]
     warmup, prompts = prompts[0], prompts[1:]
     eos = eos_token_ids(model, tokenizer)
     methods = args.methods.split(",")
     eager = run(model, prompts, methods, args.max_new_tokens, eos)
+    del model
+    model = MedusaModel.from_pretrained(None, dtype=args.dtype, pack_weights=False)  # inductor cannot lower packing
+    model.requires_grad_(False)
     compile_backbone(model.backbone, args.mode)
     start = time.perf_counter()
     run(model, [warmup], methods, args.max_new_tokens, eos)  # compiles every shape the runs meet

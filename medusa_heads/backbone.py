@@ -12,6 +12,7 @@ from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import MedusaError
+from .packing import PackedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -144,9 +145,13 @@ def compile_backbone(backbone: PreTrainedModel, mode: str | None = None) -> None
     Compile the backbone's decoder (its layers and final norm) with `torch.compile` (inductor), in place. Every
     caller benefits alike: tree decoding and HF `generate` on the same model, which is how the benchmarks compare
     them. Shapes vary with the tree size and the KV-cache window (rounded up to 16 slots), so sizes are traced as
-    dynamic: a few graphs, not one per step. `mode="reduce-overhead"` adds CUDA graphs on a GPU.
+    dynamic: a few graphs, not one per step. `mode="reduce-overhead"` adds CUDA graphs on a GPU. Inductor cannot
+    lower linear layers packed for oneDNN (`packing.py`): compile a model loaded with `pack_weights=False`.
     """
     decoder = backbone.get_decoder()
+    if any(isinstance(m, PackedLinear) for m in decoder.modules()):
+        raise MedusaError("torch.compile cannot lower this backbone's oneDNN-packed linear layers: load the model with "
+                          "`pack_weights=False` to compile it.")
     decoder.forward = torch.compile(decoder.forward, dynamic=True, mode=mode)
 
 

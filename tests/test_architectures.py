@@ -6,9 +6,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from medusa_heads import MedusaModel
+from medusa_heads.errors import MedusaError
 from medusa_heads.backbone import backbone_forward, compile_backbone, load_backbone
 from medusa_heads.inference import GenerationStats, generate_ids, make_drafter
 from medusa_heads.model import untrained_heads
+from medusa_heads.packing import PackedLinear
 from medusa_heads.tree import build_tree, load_tree
 
 from test_decoding import OracleDrafter  # noqa: E402  (pytest puts tests/ on sys.path)
@@ -45,6 +47,14 @@ def test_tree_decoding_is_exact_on(arch):
         ours = [t for chunk in generate_ids(model, prompt, drafter, max_new_tokens=40, stats=stats) for t in chunk]
         assert ours == reference
         assert stats.mean_accepted_length > 2  # long paths were accepted, on random branches
+
+
+def test_compiling_a_backbone_packed_for_onednn_is_a_one_line_error(tiny_backbone):
+    model = MedusaModel.from_pretrained(None, base_model=load_backbone(str(tiny_backbone)))
+    if not any(isinstance(m, PackedLinear) for m in model.backbone.modules()):
+        pytest.skip("this torch build packs nothing")
+    with pytest.raises(MedusaError, match="load the model with `pack_weights=False` to compile it"):
+        compile_backbone(model.backbone)
 
 
 @pytest.mark.slow
