@@ -4,8 +4,8 @@ What `torch.compile` gives on this device, for HF greedy and for tree decoding, 
 Eager first, as the runtime loads a model (linear layers packed for oneDNN): HF `generate` greedy and each method
 on the same prompts, interleaved. Then the model is loaded again without packing (inductor cannot lower the packed
 layers), its backbone's decoder compiled (`compile_backbone`, inductor, dynamic sizes), a warm-up prompt pays for
-the compilation, and the same runs are repeated. The table gives tokens/s (median over prompts) and the two ratios the fast-path issue asks
-for: compiled over eager for HF greedy, and for each tree-decoding method.
+the compilation, and the same runs are repeated. The table gives tokens/s (median over prompts) and the two ratios
+the fast-path issue asks for: compiled over eager for HF greedy, and for each tree-decoding method.
 
     python benchmarks/compile_speed.py --prompts benchmarks/prompts.jsonl --limit 8 --dtype bfloat16 \
         --methods plain,medusa+ngram:cpu-16

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedConfig, PreTrainedModel
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from .config import MedusaConfig
 from .eagle import ContextDrafter, decoder_config_for
@@ -162,9 +163,10 @@ class Eagle3Head(ContextDrafter):
         k = attn.k_proj(x).view(n, kv_heads, dim).transpose(0, 1)
         v = attn.v_proj(x).view(n, kv_heads, dim).transpose(0, 1)
         cos, sin = self._angles(position_ids[0], x)
-        keys, values = cache.update(_rotate(k, cos, sin)[None], v[None], 0)
-        attended = F.scaled_dot_product_attention(_rotate(q, cos, sin)[None], keys, values, attn_mask=attention_mask,
-                                                  scale=attn.scaling, enable_gqa=kv_heads != heads)
+        q, k = apply_rotary_pos_emb(q[None], k[None], cos[None], sin[None])
+        keys, values = cache.update(k, v[None], 0)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask, scale=attn.scaling,
+                                                  enable_gqa=kv_heads != heads)
         out = features + attn.o_proj(attended[0].transpose(0, 1).reshape(1, n, heads * dim))
         return out + mlp(_rms(out, self.layer.post_attention_layernorm))
 
@@ -187,9 +189,3 @@ class Eagle3Head(ContextDrafter):
 def _rms(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     """A Llama RMSNorm module's function in one fused call (fp32 inside, as the module computes)."""
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary position embedding of x [heads, T, head_dim] with cos, sin [T, head_dim] (Llama's half rotation)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
