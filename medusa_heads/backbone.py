@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from huggingface_hub.errors import StrictDataclassError
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import MedusaError
@@ -88,7 +89,7 @@ def embedded_model_folder() -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
     try:
-        fresh.save_pretrained(tmp)
+        _save_weights(fresh, tmp)
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, folder)
     except OSError:
@@ -96,6 +97,17 @@ def embedded_model_folder() -> Path:
         if not (folder / "config.json").exists():  # not just another process finishing first
             raise
     return folder
+
+
+def _save_weights(model: PreTrainedModel, folder: Path) -> None:
+    """What `model.save_pretrained(folder)` writes for a model on one device. Not that call: it goes through
+    accelerate, which imports DeepSpeed wherever it is installed, and DeepSpeed warns about accelerators."""
+    model.config.architectures, model.config.dtype = [type(model).__name__], str(model.dtype).removeprefix("torch.")
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    tied = model.all_tied_weights_keys  # {copy: source}: copies are left out, as save_pretrained does
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if k not in tied}
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
 def resolve_model_path(name_or_path: str) -> str:

@@ -127,3 +127,26 @@ def test_tree_needs_no_transformers_and_the_runtime_no_trainer():
             "assert not bad, bad")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_first_run_writes_the_model_cache_without_deepspeed(tmp_path):
+    """Importing the CLI, the server and the runtime, and writing the model cache as the first `generate` does
+    (`save_pretrained` imports DeepSpeed through accelerate, which prints its accelerator warning), imports no
+    DeepSpeed; the cache holds what `save_pretrained` writes."""
+    code = ("import sys, torch; from pathlib import Path; "
+            "from transformers import LlamaConfig, LlamaForCausalLM; "
+            "import medusa_heads.apps.cli, medusa_heads.apps.serve, medusa_heads.inference; "
+            "from medusa_heads.backbone import _save_weights; "
+            "torch.manual_seed(0); "
+            "model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, "
+            "num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)); "
+            "_save_weights(model, Path(sys.argv[1])); "
+            "assert 'deepspeed' not in sys.modules; "
+            "model.save_pretrained(sys.argv[2])")
+    ours, theirs = tmp_path / "ours", tmp_path / "save_pretrained"
+    result = subprocess.run([sys.executable, "-c", code, str(ours), str(theirs)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in ours.iterdir()) == sorted(p.name for p in theirs.iterdir())
+    for path in ours.iterdir():
+        assert path.read_bytes() == (theirs / path.name).read_bytes(), path.name
