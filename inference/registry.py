@@ -6,7 +6,7 @@ The CLI's `--drafter` and `--acceptance` choices, the bench's method names (`NAM
 `drafters/`) and one `DrafterSpec` here.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -57,15 +57,87 @@ def _batching() -> dict:
     return read_json(Path(str(resources.files("medusa_heads.configs") / "batching.json")), "Batching table", "")
 
 
+def _dtype_key(dtype: torch.dtype) -> str:
+    return "float32" if dtype == torch.float32 else "bfloat16"
+
+
 def default_drafter(dtype: torch.dtype, batch_size: int = 1) -> tuple[str, dict]:
     r"""
     (drafter name, options) for rows of a batch of `batch_size` in `dtype` when the user names none: the fastest
     lossless configuration measured on this project's CPU (`configs/batching.json`), from a tree that pays alone
-    down to no drafts in large batches.
+    down to no drafts in large batches. The default heads draft; `default_configuration` may pick other heads.
     """
-    rules = _batching()["float32" if dtype == torch.float32 else "bfloat16"]
+    rules = _batching()[_dtype_key(dtype)]
     rule = next(r for r in rules if batch_size <= r.get("up_to", batch_size))
     return rule["drafter"], {k: v for k, v in rule.items() if k not in ("up_to", "drafter")}
+
+
+@dataclass(frozen=True)
+class Configuration:
+    """A lossless configuration to run when the user names none: a drafter with its options, the heads it drafts
+    with and their weights' quantization; `tuned_on` is the date `medusa-heads tune` chose it on this machine."""
+
+    drafter: str
+    options: dict = field(default_factory=dict)
+    heads: str | None = None  # a folder of medusa_heads/pretrained/; None: the heads shipped for the backbone
+    quantize_drafter: str = "none"
+    tuned_on: str | None = None
+
+    @property
+    def heads_path(self) -> str | None:
+        return str(resources.files("medusa_heads") / "pretrained" / self.heads) if self.heads else None
+
+    @property
+    def source(self) -> str:
+        """Where the choice came from, for the configuration line."""
+        if self.tuned_on:
+            return f"tuned on this machine {self.tuned_on}"
+        return "the project's table; run `medusa-heads tune` to pick for this machine"
+
+    def settings(self) -> dict:
+        """What it runs, as `medusa-heads tune` records it."""
+        return {"heads": self.heads, "drafter": self.drafter, "options": self.options,
+                "quantize_drafter": self.quantize_drafter}
+
+    def __str__(self) -> str:
+        options = ", ".join(f"{k} {v}" for k, v in self.options.items())
+        return (self.drafter + (f" ({options})" if options else "")
+                + (f", heads {self.heads}" if self.heads else ", the default heads")
+                + (f", {self.quantize_drafter} drafter weights" if self.quantize_drafter != "none" else ""))
+
+
+@lru_cache(maxsize=1)
+def _tuning() -> dict:
+    return read_json(Path(str(resources.files("medusa_heads.configs") / "tune.json")), "Tuning candidates", "")
+
+
+def tune_candidates(dtype: torch.dtype) -> list[Configuration]:
+    """The lossless batch-1 configurations `medusa-heads tune` times in `dtype`: the table's, then those of
+    `configs/tune.json`."""
+    listed = [Configuration(c["drafter"], c["options"], c["heads"], c["quantize_drafter"])
+              for c in _tuning()["candidates"][_dtype_key(dtype)]]
+    return [Configuration(*default_drafter(dtype)), *listed]
+
+
+def tuning_prompts() -> list[str]:
+    """The prompts `medusa-heads tune` times the candidates on (written for this project, not the benchmark's)."""
+    return [row["prompt"] for row in _tuning()["prompts"]]
+
+
+def default_configuration(dtype: torch.dtype, batch_size: int = 1,
+                          device: str | torch.device = "cpu") -> Configuration:
+    r"""
+    What `generate` and `serve` run in `dtype` on `device` when the user names no drafter, tree, heads or backbone:
+    at batch 1 the configuration `medusa-heads tune` recorded as the fastest for this device, dtype and thread
+    count; else, or without such a record, the table's (`default_drafter`). The heads are part of it: load
+    `heads_path` (None: the default heads).
+    """
+    if batch_size == 1:
+        from medusa_heads.apps.tune import tuned_choice  # not at the top: apps.tune imports this module
+
+        if (tuned := tuned_choice(dtype, torch.device(device))) is not None:
+            return tuned
+    return Configuration(*default_drafter(dtype, batch_size))
 
 
 def heads_drafter(model: MedusaModel, tree: TreeBuffers) -> MedusaDrafter | EagleDrafter:

@@ -10,7 +10,7 @@ import torch
 
 from medusa_heads import MedusaConfig, MedusaHeads
 from medusa_heads.backbone import parse_dtype
-from medusa_heads.inference.registry import default_drafter
+from medusa_heads.inference.registry import default_configuration
 from medusa_heads.inference.generate import encode_prompt
 
 from oracle import hf_greedy  # noqa: E402  (pytest puts tests/ on sys.path)
@@ -51,13 +51,15 @@ def test_the_default_configuration_is_chosen_by_dtype_and_stated(backbone, token
     auto = run_cli("generate", "--prompt", prompt, "--max-new-tokens", "8")
     assert auto.returncode == 0, auto.stderr
     dtype = parse_dtype("auto")
-    name, options = default_drafter(dtype)
+    default = default_configuration(dtype)  # tuned for this machine by `medusa-heads tune`, else the table's
     configuration = auto.stderr.strip().splitlines()[-1]
-    assert f"drafter {name} (tree {options['tree']})" in configuration and "--dtype auto" in configuration
+    assert f"drafter {default.drafter} (tree {default.options['tree']})" in configuration
+    assert "--dtype auto" in configuration and f"default: {default.source}" in configuration
     assert str(dtype).removeprefix("torch.") in configuration
     fp32 = run_cli("generate", "--prompt", prompt, "--max-new-tokens", "12", "--json", "--dtype", "float32")
     out = json.loads(fp32.stdout)
-    assert (out["drafter"], out["tree"]) == (default_drafter(torch.float32)[0], default_drafter(torch.float32)[1]["tree"])
+    default = default_configuration(torch.float32)
+    assert (out["drafter"], out["tree"]) == (default.drafter, default.options["tree"])
     assert out["token_ids"] == hf_greedy(backbone, encode_prompt(tokenizer, prompt), 12)
 
 

@@ -46,8 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tree", help=f"{', '.join(drafters_taking('tree'))}: a shipped tree name or a JSON file "
                    f"(default {DEFAULT_TREE})")
     g.add_argument("--drafter", choices=list(DRAFTERS),
-                   help="default: the fastest lossless configuration for the dtype (bf16: medusa+ngram on hydra-cpu-6, "
-                   "fp32: medusa+ngram on cpu-3); " + "; ".join(f"{name}: {spec.help}" for name, spec in DRAFTERS.items()))
+                   help="default: the configuration `medusa-heads tune` found fastest on this machine for the dtype, "
+                   "else the project's table (bf16: medusa+ngram on hydra-cpu-6, fp32: medusa+ngram on cpu-3); "
+                   + "; ".join(f"{name}: {spec.help}" for name, spec in DRAFTERS.items()))
     g.add_argument("--draft-model", help=f"{', '.join(drafters_taking('draft_model'))}: a small LM with the "
                    "backbone's tokenizer (hub id or folder)")
     g.add_argument("--draft-length", type=int, help=f"{', '.join(drafters_taking('draft_length'))}: tokens per "
@@ -75,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     g.add_argument("--quantize", choices=QUANTIZATIONS, default="none", help=QUANTIZE_HELP)
-    g.add_argument("--quantize-drafter", choices=QUANTIZATIONS, default="none", help=QUANTIZE_DRAFTER_HELP)
+    g.add_argument("--quantize-drafter", choices=QUANTIZATIONS,
+                   help=QUANTIZE_DRAFTER_HELP + " (default: none, or the tuned configuration's)")
     _add_runtime_args(g)
     g.set_defaults(dtype="auto")
 
@@ -159,6 +161,13 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("out", type=Path, help="folder to write")
     _add_tree_commands(sub)
     _add_serve_command(sub)
+    tu = sub.add_parser("tune", help="time the shipped lossless configurations on this machine (a minute or two) and "
+                        "record the fastest: what `generate` and `serve` then run at batch 1 when given no drafter")
+    tu.add_argument("--max-new-tokens", type=int, default=96, help="tokens per timed answer")
+    tu.add_argument("--seconds", type=float, default=120, help="time no more prompts once this is spent (the "
+                    "loading and warm-up not counted)")
+    _add_runtime_args(tu)
+    tu.set_defaults(dtype="auto")
     return parser
 
 
@@ -266,24 +275,22 @@ def _tokenizer(args, model):
 
 def _generate(args) -> None:
     from medusa_heads.inference import GenerationStats, generate, make_acceptance, make_drafter, stream
-    from medusa_heads.backbone import parse_device, parse_dtype
-    from medusa_heads.inference.registry import OPTIONS, check_drafter_options, default_drafter
+    from medusa_heads.inference.registry import OPTIONS, check_drafter_options
     from medusa_heads.model import MedusaModel
 
     if args.max_new_tokens < 1:
         raise MedusaError(f"`--max-new-tokens` must be at least 1, got {args.max_new_tokens}.")
     by_batch = args.drafter is None and args.tree is None  # the drafter follows the batch size (--prompts-file)
-    if args.drafter is None:
-        args.drafter, defaults = default_drafter(parse_dtype(args.dtype, parse_device(args.device)))
-        for key, value in defaults.items():
-            if getattr(args, key) is None:
-                setattr(args, key, value)
+    source = None
+    default = _use_default_configuration(args, 1 if args.prompts_file is None else args.batch_size)
+    if default is not None:
+        by_batch, source = by_batch and default.tuned_on is None, default.source
     # bad options and broken trees fail before the model loads
     options = check_drafter_options(args.drafter, **{name: getattr(args, name) for name in OPTIONS})
     acceptance = make_acceptance(args.acceptance, args.temperature, args.epsilon, args.delta, args.seed,
                                  device=args.device, top_k=args.top_k, top_p=args.top_p)
     if args.prompts_file is not None:
-        _generate_file(args, options, acceptance, by_batch)
+        _generate_file(args, options, acceptance, by_batch, source)
         return
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
                                         quantize=args.quantize, quantize_drafter=args.quantize_drafter)
@@ -303,12 +310,40 @@ def _generate(args) -> None:
     print(f"[{stats.new_tokens} tokens in {stats.steps} steps, mean accepted length "
           f"{stats.mean_accepted_length:.2f}, {stats.tokens_per_second:.1f} tokens/s; per-head acceptance "
           f"{', '.join(f'{a:.2f}' for a in stats.head_acceptance)}]", file=sys.stderr)
-    print(f"[{_configuration(args, model, drafter, options)}]", file=sys.stderr)
+    print(f"[{_configuration(args, model, drafter, options, source)}]", file=sys.stderr)
     if args.stats:
         print("\n".join(_stats_lines(stats)), file=sys.stderr)
 
 
-def _generate_file(args, options: dict, acceptance, by_batch: bool) -> None:
+def _use_default_configuration(args, batch_size: int):
+    """Without --drafter, `args` take the default configuration (the drafter, its heads and their quantization, the
+    options not given) and it is returned; generate and serve share it, so that one prompt gets one answer."""
+    default = None
+    if args.drafter is None:
+        default = _default_configuration(args, batch_size)
+        args.drafter, args.heads = default.drafter, args.heads or default.heads_path
+        args.quantize_drafter = args.quantize_drafter or default.quantize_drafter
+        for key, value in default.options.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    args.quantize_drafter = args.quantize_drafter or "none"
+    return default
+
+
+def _default_configuration(args, batch_size: int):
+    """What runs without --drafter: with no --tree, --heads or --model either, the default for `batch_size`, tuned
+    for this machine or the table's; else the table's batch-1 drafter."""
+    from medusa_heads.backbone import parse_device, parse_dtype
+    from medusa_heads.inference.registry import Configuration, default_configuration, default_drafter
+
+    device = parse_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
+    if args.tree is None and args.heads is None and args.model is None:
+        return default_configuration(dtype, batch_size, device)
+    return Configuration(*default_drafter(dtype))
+
+
+def _generate_file(args, options: dict, acceptance, by_batch: bool, source: str | None) -> None:
     """`generate --prompts-file`: the prompts in batches, one JSON line per answer. `by_batch`: each batch drafts
     what `configs/batching.json` gives for its size (the last one may be smaller)."""
     import time
@@ -343,11 +378,12 @@ def _generate_file(args, options: dict, acceptance, by_batch: bool) -> None:
     seconds = time.perf_counter() - start
     print(f"[{len(rows)} prompts, {tokens} tokens in {seconds:.1f} s ({tokens / seconds:.1f} tokens/s), batches of "
           f"{args.batch_size}]", file=sys.stderr)
-    print(f"[{_configuration(args, model, drafters[0], options)}]", file=sys.stderr)
+    print(f"[{_configuration(args, model, drafters[0], options, source)}]", file=sys.stderr)
 
 
-def _configuration(args, model, drafter, options: dict) -> str:
-    """What ran, in words: drafter and the options it was given, heads, acceptance, dtype and device."""
+def _configuration(args, model, drafter, options: dict, source: str | None) -> str:
+    """What ran, in words: drafter and the options it was given, heads, acceptance, dtype and device, and where a
+    default came from (`source`)."""
     shown = ({"tree": DEFAULT_TREE} if "tree" in DRAFTERS[args.drafter].options else {}) | options
     taken = [f"{k} {v}" for k, v in shown.items()]
     heads = model.heads.name_or_path or "untrained"
@@ -359,7 +395,7 @@ def _configuration(args, model, drafter, options: dict) -> str:
             + f", up to {drafter.tree.size} tree nodes; {model.heads.head_type} heads {heads}; "
             f"{args.acceptance} acceptance; {dtype}" + (f", {args.quantize} weights" if args.quantize != "none" else "")
             + (f", {args.quantize_drafter} drafter weights" if args.quantize_drafter != "none" else "")
-            + f" on {model.device}")
+            + f" on {model.device}" + (f"; default: {source}" if source else ""))
 
 
 def _stats_lines(stats) -> list[str]:
@@ -510,6 +546,40 @@ def _profile(args) -> None:
     print(f"profile: {path}")
 
 
+def _tune(args) -> None:
+    import time
+
+    from medusa_heads.backbone import parse_device, parse_dtype
+    from medusa_heads.inference.registry import tune_candidates, tuning_prompts
+
+    from .tune import greedy_timer, tune
+
+    if args.max_new_tokens < 1:
+        raise MedusaError(f"`--max-new-tokens` must be at least 1, got {args.max_new_tokens}.")
+    if not args.seconds > 0:
+        raise MedusaError(f"`--seconds` must be above 0, got {args.seconds}.")
+    device = parse_device(args.device)
+    dtype = parse_dtype(args.dtype, device)
+    candidates, prompts = tune_candidates(dtype), tuning_prompts()
+    if len(candidates) < 2:
+        raise MedusaError(f"In {str(dtype).removeprefix('torch.')} the project ships one lossless configuration, "
+                          f"{candidates[0]}: nothing to tune.")
+    start = time.perf_counter()
+    print(f"loading and warming up {len(candidates)} configurations", file=sys.stderr)
+    measure = greedy_timer(candidates, dtype, device, args.max_new_tokens, warmup=prompts[0])
+    record, path = tune(dtype, device, prompts, measure, args.max_new_tokens, args.seconds)
+    print(f"{len(candidates)} configurations on {record['prompts']} prompts, up to {args.max_new_tokens} tokens each, "
+          f"in {time.perf_counter() - start:.0f} s on {record['device']}, {record['dtype']}, {record['threads']} "
+          "threads:")
+    table = record["measured"][0]["ms_per_token"]
+    for candidate, measured in zip(candidates, record["measured"]):
+        print(f"  {measured['ms_per_token']:.1f} ms a token ({measured['ms_per_token'] / table:.3f}x the table's, "
+              f"{measured['tokens_per_second']:.1f} tokens/s): {candidate}"
+              + ("  <- chosen" if candidate.settings() == record["choice"] else ""))
+    print(f"recorded in {path}: `generate` and `serve` run the chosen one at batch 1 in {record['dtype']} with "
+          f"{record['threads']} threads when given no drafter")
+
+
 def _tree(args) -> None:
     from medusa_heads.model import MedusaModel
     from medusa_heads.tree.optimize import fit_tree, write_tree
@@ -583,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"generate": _generate, "distill": _distill, "self-instruct": _self_instruct,
                     "follow-ups": _follow_ups, "bench": _bench, "profile": _profile, "tree": _tree,
                     "ngram-store": _ngram_store, "export": _export, "convert": _convert,
-                    "serve": _serve}
+                    "serve": _serve, "tune": _tune}
         commands[args.command](args)
     except (MedusaError, StrictDataclassError) as err:
         print(f"medusa-heads: error: {first_line(err)}", file=sys.stderr)

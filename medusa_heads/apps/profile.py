@@ -129,9 +129,13 @@ def heads_signature(model: MedusaModel) -> str:
 
 def profile_path(model: MedusaModel, threads: int | None = None) -> Path:
     """The cache file of `model`'s profile on its device, dtype and thread count."""
-    threads = threads or torch.get_num_threads()
-    parts = [model.config.base_model_name_or_path or model.backbone.name_or_path, heads_signature(model),
-             device_name(model.device), str(model.backbone.dtype).removeprefix("torch."), f"{threads}threads"]
+    return cache_file(model.config.base_model_name_or_path or model.backbone.name_or_path, heads_signature(model),
+                      device_name(model.device), str(model.backbone.dtype).removeprefix("torch."),
+                      f"{threads or torch.get_num_threads()}threads")
+
+
+def cache_file(*parts: str) -> Path:
+    """The file named by `parts` (model, what, device, dtype, threads) among the cached profiles."""
     slug = "_".join(re.sub(r"[^A-Za-z0-9.+-]+", "-", part).strip("-") for part in parts)
     return cache_home() / "profiles" / f"{slug}.json"
 
