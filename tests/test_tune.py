@@ -9,6 +9,7 @@ import torch
 
 from medusa_heads.backbone import cache_home
 from medusa_heads.inference.registry import default_configuration, default_drafter, tune_candidates, tuning_prompts
+from medusa_heads.apps.cli import main
 from medusa_heads.apps.tune import record_path, tune
 
 from test_cli import assert_clean_error, run_cli  # noqa: E402  (pytest puts tests/ on sys.path)
@@ -122,6 +123,19 @@ def test_a_record_for_another_cpu_dtype_or_thread_count_is_not_used(home, monkey
     assert_table()
     zen4.replace(record_path(BF16, CPU))  # even under this machine's name, the record says where it was made
     assert_table()
+
+
+def test_the_tune_command_prints_the_choice_and_warns_on_a_busy_cpu(home, monkeypatch, capsys, caplog):
+    monkeypatch.setattr("medusa_heads.apps.tune.greedy_timer", lambda *args, **kwargs: faster(1))
+    monkeypatch.setattr("os.getloadavg", lambda: (64.0, 64.0, 64.0))
+    assert main(["tune", "--dtype", "bfloat16"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"{len(tune_candidates(BF16))} configurations on {len(tuning_prompts())} prompts, "
+                               "up to 96 tokens each") and "bfloat16" in lines[0]
+    assert lines[1].endswith(f": {tune_candidates(BF16)[0]}") and "1.000x the table's" in lines[1]
+    assert lines[2].endswith(f": {tune_candidates(BF16)[1]}  <- chosen") and "10.0 ms a token" in lines[2]
+    assert str(record_path(BF16, CPU)) in lines[3]
+    assert "The CPU is busy (load average 64.0" in caplog.text
 
 
 def test_tune_refuses_bad_input(cli):

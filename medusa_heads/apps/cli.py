@@ -547,7 +547,10 @@ def _profile(args) -> None:
 
 
 def _tune(args) -> None:
+    import os
     import time
+
+    import torch
 
     from medusa_heads.backbone import parse_device, parse_dtype
     from medusa_heads.inference.registry import tune_candidates, tuning_prompts
@@ -564,6 +567,11 @@ def _tune(args) -> None:
     if len(candidates) < 2:
         raise MedusaError(f"In {str(dtype).removeprefix('torch.')} the project ships one lossless configuration, "
                           f"{candidates[0]}: nothing to tune.")
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load >= 1 and load + torch.get_num_threads() > cores:
+        logging.getLogger(__name__).warning(
+            "The CPU is busy (load average %.1f on %d cores): other work's share of the timings may decide the "
+            "choice; tune again on a quiet machine.", load, cores)
     start = time.perf_counter()
     print(f"loading and warming up {len(candidates)} configurations", file=sys.stderr)
     measure = greedy_timer(candidates, dtype, device, args.max_new_tokens, warmup=prompts[0])
