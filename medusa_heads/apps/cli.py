@@ -207,24 +207,27 @@ def _add_serve_command(sub) -> None:
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with Prometheus metrics (docs/serving.md)")
     s.add_argument("--model", help="backbone hub id or folder (default: the embedded SmolLM2-135M-Instruct)")
     s.add_argument("--heads", help="heads folder or hub id (default: the heads shipped for the model)")
-    s.add_argument("--drafter", choices=list(DRAFTERS), default="medusa",
-                   help="as for generate; `dynamic --budget 0` drafts nothing (plain decoding)")
-    s.add_argument("--tree", help=f"as for generate (default {DEFAULT_TREE})")
+    s.add_argument("--drafter", choices=list(DRAFTERS),
+                   help="as for generate, with its default: a request alone gets generate's answer; `dynamic --budget "
+                   "0` drafts nothing (plain decoding)")
+    s.add_argument("--tree", help="as for generate")
     s.add_argument("--draft-model", help="as for generate")
     s.add_argument("--draft-length", type=int, help="as for generate")
     s.add_argument("--exit-layer", type=int, help="as for generate")
-    s.add_argument("--quantize-drafter", choices=QUANTIZATIONS, default="none", help="as for generate")
+    s.add_argument("--quantize-drafter", choices=QUANTIZATIONS, help="as for generate")
     s.add_argument("--budget", type=int, help="as for generate")
     s.add_argument("--depth", type=int, help="as for generate")
     s.add_argument("--acceptance", choices=["exact", "typical"], default="exact",
-                   help="the rule for requests with temperature > 0 (temperature 0 is greedy): exact (lossless, the "
-                   "default) or typical (faster, lossy)")
+                   help="the rule for requests with temperature > 0 (temperature 0 is greedy; a request without "
+                   "`temperature` samples at 1.0, OpenAI's default): exact (lossless, the default) or typical "
+                   "(faster, lossy)")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    s.add_argument("--port", type=int, default=8000, help="0: any free port (printed at start)")
+    s.add_argument("--port", type=int, default=8000, help="0-65535; 0: any free port (printed at start)")
     s.add_argument("--max-queue", type=int, default=64, help="requests that may wait; more get 503")
     s.add_argument("--max-batch", type=int, default=8, help="queued requests decoded together at most; large "
                    "batches draft nothing (docs/serving.md)")
     _add_runtime_args(s)
+    s.set_defaults(dtype="auto")  # generate's: the same answer from both
 
 
 def _bench(args) -> None:
@@ -453,6 +456,9 @@ def _serve(args) -> None:
     for flag, value in (("--max-queue", args.max_queue), ("--max-batch", args.max_batch)):
         if value < 1:
             raise MedusaError(f"`{flag}` must be at least 1, got {value}.")
+    if not 0 <= args.port <= 65535:
+        raise MedusaError(f"`--port` must be in 0..65535, got {args.port}.")
+    _use_default_configuration(args, 1)  # a request alone decodes as generate does; batches follow batching.json
     options = check_drafter_options(args.drafter, **{name: getattr(args, name) for name in OPTIONS})
     sock = listen(args.host, args.port)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,

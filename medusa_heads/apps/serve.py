@@ -125,7 +125,8 @@ def create_app(engine: Engine, scheduler: Scheduler, model_id: str) -> FastAPI:
         except MedusaError as err:
             raise APIError(400, str(err)) from None
         seeded = body.temperature > 0 and body.seed is not None
-        return Job(prompt_ids, body.new_tokens, body.stops, acceptance, asyncio.get_running_loop(), seeded)
+        sampling = {"temperature": body.temperature, "acceptance": engine.rule(body.temperature)}
+        return Job(prompt_ids, body.new_tokens, body.stops, acceptance, asyncio.get_running_loop(), seeded, sampling)
 
     return app
 

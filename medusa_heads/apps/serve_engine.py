@@ -57,6 +57,7 @@ class Job:
     # Sampled with a seed: decoded with the server's drafter in a batch of any size, because which tokens a seed
     # draws depends on the drafts (the seed gives the same answer alone and under load).
     seeded: bool = False
+    sampling: dict = field(default_factory=dict)  # the temperature and acceptance rule used, told in its response
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrived: float = field(default_factory=time.perf_counter)
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -195,12 +196,15 @@ class Engine:
             return self.drafter_name, self.drafter_options
         return default_drafter(self.model.backbone.dtype, rows)
 
+    def rule(self, temperature: float) -> str:
+        """The acceptance rule at `temperature`: greedy at 0, else the server's sampling rule."""
+        return "greedy" if temperature == 0 else self.sampling_rule
+
     def acceptance(self, temperature: float, top_p: float, top_k: int, seed: int | None) -> Acceptance:
-        """Greedy at temperature 0, else the server's sampling rule; MedusaError for options the rule refuses."""
-        if temperature == 0:
-            return make_acceptance("greedy")
-        return make_acceptance(self.sampling_rule, temperature, seed=seed, device=self.model.device, top_k=top_k,
-                               top_p=top_p)
+        """The acceptance of `rule(temperature)`; MedusaError for options the rule refuses."""
+        if (rule := self.rule(temperature)) == "greedy":
+            return make_acceptance(rule)
+        return make_acceptance(rule, temperature, seed=seed, device=self.model.device, top_k=top_k, top_p=top_p)
 
     def decode(self, jobs: list[Job]) -> None:
         """Decode `jobs` in one batch, sending each its events; requests cancelled meanwhile leave the batch at
@@ -302,7 +306,7 @@ class Engine:
     def _summary(self, row: Row) -> dict:
         """The request's own speculative statistics, the `speculative` field of its response."""
         stats = row.stats
-        return {"drafter": row.drafter_name, "steps": stats.steps,
+        return {"drafter": row.drafter_name, **row.job.sampling, "steps": stats.steps,
                 "draft_tokens": sum(n for n, _ in row.drafter.trees),
                 "accepted_tokens": sum(stats.accepted_lengths) - stats.steps,
                 "mean_accepted_length": round(stats.mean_accepted_length, 4),
