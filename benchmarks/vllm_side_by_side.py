@@ -1,5 +1,5 @@
 """vLLM side by side: vLLM without speculation, with its n-gram drafter and with this project's exported heads,
-on the benchmark prompts, one prompt at a time, beside this project's own runtime on the same prompts.
+on the benchmark prompts, one prompt at a time, beside this project's own runtime (and llama.cpp) on the same prompts.
 
 Runs with the python of vLLM's own virtual environment (vLLM pins its own transformers), which
 `benchmarks/vllm_env.sh` creates; `vllm-python` is its python with vLLM's preferred libraries preloaded:
@@ -11,7 +11,8 @@ Every vLLM method is an engine of its own (`LLM(...)`, started once); each promp
 rotating order after a warm-up, so that the machine's load falls on all alike. Greedy, batch 1, the prompt ids
 are the chat template's, as this project's bench builds them. vLLM's speculative counters are its per-request
 metrics (`per_request_spec_decode_metrics`). This project's runtime (`--ours`, through `medusa-heads bench` in
-the project's `.venv`) runs before the engines start, never at the same time.
+the project's `.venv`) runs before the engines start, never at the same time; `--ours llama.cpp,...` adds
+llama.cpp's row through that bench (llama-cpp-python in `.venv`: `pip install -e '.[llamacpp]'`).
 
 Methods (`--methods`): `plain`; `ngram:K` (vLLM's prompt lookup, K tokens, n-grams of 2-4 tokens like this
 project's); `medusa:K` (the heads of `--heads`, written by `medusa-heads export --format vllm`; by default the
@@ -86,7 +87,8 @@ def run_ours(cli: Path, methods: list[str], args, out: Path) -> dict:
     if args.limit:
         command += ["--limit", str(args.limit)]
     print("this project's runtime:", " ".join(command), flush=True)
-    subprocess.run(command, check=True)
+    if subprocess.run(command).returncode:
+        raise SystemExit("`medusa-heads bench` failed: its error is above.")
     return json.loads((out / "bench.json").read_text())
 
 
@@ -197,8 +199,9 @@ def markdown(result: dict) -> str:
              "accepted | acceptance rate | tokens per drafted step | tokens per decode step | identical greedy |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     ours = (result.get("ours") or {}).get("summary", {})
-    for engine, summary in (("vLLM", result["vllm"]["summary"]), ("medusa-heads", ours)):
+    for runtime, summary in (("vLLM", result["vllm"]["summary"]), ("medusa-heads", ours)):
         for name, s in summary.items():
+            engine = "llama.cpp" if name.startswith("llama.cpp") else runtime  # a peer run by this project's bench
             speed = (f"{s['tokens_per_second']:.1f} ({s['tokens_per_second_min']:.1f}-"
                      f"{s['tokens_per_second_max']:.1f})")
             identical = (f"{s['identical_to_plain']}/{s['prompts']} vs plain" if engine == "vLLM" else
@@ -241,7 +244,8 @@ def main() -> None:
     parser.add_argument("--ours", default="medusa+ngram:cpu-16,medusa:cpu-16",
                         help="this project's methods as `medusa-heads bench` names them (HF greedy is always "
                              "added; `METHOD#medusa`, `METHOD#eagle` and `METHOD#eagle3` use the shipped Medusa "
-                             "heads, EAGLE and EAGLE-3 drafters); empty to skip")
+                             "heads, EAGLE and EAGLE-3 drafters; `llama.cpp` its peer on the model's GGUF); empty "
+                             "to skip")
     parser.add_argument("--quantize-drafter", default="none", help="this project's runtime: as for `medusa-heads "
                         "bench` (int8: the drafters' own weights in int8, lossless)")
     parser.add_argument("--project-cli", type=Path, default=REPO / ".venv" / "bin" / "medusa-heads",

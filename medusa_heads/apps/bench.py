@@ -7,10 +7,13 @@ plus its draft model's weights. HF methods run the backbone's stock `nn.Linear` 
 its users; this runtime runs them packed for oneDNN (`medusa_heads/packing.py`), as `from_pretrained` loads them.
 """
 
+import contextlib
+import importlib.metadata
 import json
 import platform
 import statistics
 import time
+import unittest.mock
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +22,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from medusa_heads.backbone import load_backbone
+from medusa_heads.backbone import EMBEDDED_GGUF, _embedded_gguf_folder, load_backbone
 from medusa_heads.errors import MedusaError, read_jsonl
 from medusa_heads.inference import GenerationStats, generate_ids, make_acceptance, make_drafter
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
@@ -89,6 +92,70 @@ def hf_sample_method(temperature: float):
     return run
 
 
+LLAMA_CPP_INSTALL = "pip install llama-cpp-python==0.3.36 (or `pip install -e '.[llamacpp]'`; it builds from source)"
+
+
+def _llama_class():
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise MedusaError(f"Method `llama.cpp` needs llama-cpp-python: {LLAMA_CPP_INSTALL}.") from None
+    return Llama
+
+
+def _without_extra_layouts():
+    """llama-cpp-python's model defaults, less llama.cpp's extra weight layouts (AMX, repacking): on a CPU with AMX
+    its AMX layout crashes the first product (ggml-org/llama.cpp#20824, seen here with 0.3.36 on a Xeon), and
+    `Llama` has no argument for them."""
+    import llama_cpp.llama_cpp as api
+
+    defaults = api.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+    return unittest.mock.patch.object(api, "llama_model_default_params", params)
+
+
+def load_llama(gguf: Path, model):
+    """llama.cpp on `gguf` with torch's thread count, for the prompts of `model`'s tokenizer (its vocabulary)."""
+    Llama, threads = _llama_class(), torch.get_num_threads()
+    with _without_extra_layouts() if "amx_int8" in cpu_features() else contextlib.nullcontext():
+        # n_ctx=0: the model's own context length, as HF allows
+        llm = Llama(model_path=str(gguf), n_ctx=0, n_threads=threads, n_threads_batch=threads, verbose=False)
+    vocab = model.backbone.config.vocab_size
+    if llm.n_vocab() != vocab:
+        raise MedusaError(f"`{gguf}` has {llm.n_vocab()} tokens, the backbone {vocab}: give llama.cpp:GGUF the "
+                          "backbone's own GGUF.")
+    return llm
+
+
+def llama_cpp_method(gguf: str | None = None):
+    """Greedy decoding by llama.cpp (llama-cpp-python) on `gguf`, by default the embedded model's Q4_1 file (the
+    weights the embedded backbone is de-quantized from), fed the same prompt ids and stopped by the same EOS."""
+    _llama_class()  # fail now, not after the warm-up
+    path = Path(gguf) if gguf else _embedded_gguf_folder() / EMBEDDED_GGUF
+    if not path.is_file():
+        raise MedusaError(f"Method `llama.cpp:{gguf}`: `{path}` is not a GGUF file.")
+    llms = {}
+
+    def run(model, input_ids, max_new_tokens):
+        if id(model) not in llms:
+            llms[id(model)] = load_llama(path, model)
+        llm = llms[id(model)]
+        eos = set(eos_token_ids(model, None))
+        llm.reset()  # no KV reuse from the last run: it pays for the whole prefill, as the other methods do
+        ids = []
+        start = time.perf_counter()
+        for token in llm.generate(input_ids[0].tolist(), temp=0.0):
+            ids.append(token)
+            if token in eos or len(ids) == max_new_tokens:
+                break
+        return Run(ids, time.perf_counter() - start, weight_bytes=path.stat().st_size)
+    return run
+
+
 def drafter_method(name: str, options: dict, drafts: DraftModels, sampling: tuple[str, float] | None = None):
     """Tree decoding with the registry's drafter `name` and `options` (a `draft_model` path is loaded once by
     `drafts`). `sampling`: (acceptance rule, temperature), seeded per run; greedy without it."""
@@ -137,7 +204,7 @@ def method_syntax(name: str) -> str:
     return name + "".join(f":{o.upper()}" if o in spec.required else f"[:{o.upper()}]" for o in spec.options)
 
 
-HF_METHODS = "hf, hf-sample@T, hf-lookup[:N], hf-assisted:PATH"
+HF_METHODS = "hf, hf-sample@T, hf-lookup[:N], hf-assisted:PATH, llama.cpp[:GGUF]"
 SAMPLING_RULES = " or ".join(f"{rule}@T" for rule in ACCEPTANCE_RULES if rule != "greedy")
 
 
@@ -175,6 +242,8 @@ def _make_method(name: str, drafts: DraftModels):
         if not spec:
             raise MedusaError(f"Method `{name}` needs a draft model: `{kind}:PATH`.")
         return hf_method(assistant=spec, drafts=drafts)
+    elif kind == "llama.cpp":
+        return llama_cpp_method(spec or None)
     elif kind in DRAFTERS:
         drafter, options, sampling = parse_drafter_method(name)
         return drafter_method(drafter, options, drafts, sampling)
@@ -236,12 +305,14 @@ def read_bench_prompts(path: Path, limit: int | None = None, per_category: int |
     return rows[:limit]
 
 
-def fingerprint(model) -> dict:
+def fingerprint(model, methods: list[str]) -> dict:
+    llama_cpp = any(name.startswith("llama.cpp") for name in methods)
     return {"cpu": device_name(torch.device("cpu")), "cpu_features": cpu_features(),
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": torch.get_num_threads(), "dtype": str(model.backbone.dtype), "device": str(model.device),
             "quantize": quantization_of(model.backbone), "quantize_drafter": draft_weights_quantization(model),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "llama_cpp": importlib.metadata.version("llama-cpp-python") if llama_cpp else None}
 
 
 def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_new_tokens: int = 128,
@@ -290,7 +361,7 @@ def bench(model, tokenizer, prompts: list[dict], method_names: list[str], max_ne
                          "tree_nodes": rs[0].tree_nodes, "weights_mb": rs[0].weight_bytes / MB,
                          "peak_memory_mb": (max(x.peak_bytes + x.weight_bytes for x in rs) / MB
                                             if rs[0].peak_bytes is not None else None)})
-    return {"fingerprint": fingerprint(model), "max_new_tokens": max_new_tokens, "repeats": repeats,
+    return {"fingerprint": fingerprint(model, method_names), "max_new_tokens": max_new_tokens, "repeats": repeats,
             "prompts": len(prompts), "wall_seconds": time.perf_counter() - started,
             "peak_memory": f"the largest over a method's runs of {PeakMemory.measures(model.device)}, plus the "
                            "weights of its draft model if it has one",
@@ -422,7 +493,9 @@ def markdown(result: dict) -> str:
         weights += f", {fp['quantize_drafter']} drafter weights"
     features = f"; {', '.join(fp['cpu_features'])}" if fp.get("cpu_features") else ""
     lines.append(f"\n{fp['dtype']}{weights} on {fp['device']} ({fp['cpu']}{features}, {fp['threads']} threads), "
-                 f"torch {fp['torch']}, transformers {fp['transformers']}, {result['max_new_tokens']} new tokens, "
+                 f"torch {fp['torch']}, transformers {fp['transformers']}"
+                 + (f", llama-cpp-python {fp['llama_cpp']}" if fp.get("llama_cpp") else "")
+                 + f", {result['max_new_tokens']} new tokens, "
                  f"{result['repeats']} repeat(s)"
                  + (f", {result['prompts']} prompts in {result['wall_seconds'] / 60:.1f} min (warm-up and "
                     "references included)." if "wall_seconds" in result else "."))

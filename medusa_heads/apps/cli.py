@@ -124,7 +124,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", type=Path, required=True, help="jsonl with `prompt` (and `category`) per line")
     b.add_argument("--methods", default="hf,hf-lookup,medusa:cpu-16,medusa+ngram:cpu-16",
                    help="comma-separated, each compared with HF greedy: the HF peers (hf, hf-sample@T, hf-lookup[:N], "
-                   "hf-assisted:PATH) and the drafters, NAME[:OPTION...] with the options of `generate` in this "
+                   "hf-assisted:PATH), llama.cpp[:GGUF] (llama-cpp-python greedy on the embedded model's Q4_1 "
+                   "GGUF or on GGUF) and the drafters, NAME[:OPTION...] with the options of `generate` in this "
                    "order: " + ", ".join(method_syntax(n) for n in DRAFTERS) + "; a drafter samples with a last "
                    "field exact@T or typical@T; METHOD#LABEL uses the heads of --alt-heads LABEL=PATH")
     b.add_argument("--model", help="backbone (default: the embedded SmolLM2-135M-Instruct)")
