@@ -28,6 +28,7 @@ from .drafters.eagle import EagleDrafter
 from .drafters.heads import MedusaDrafter
 from .drafters.ngram import DynamicNgramDrafter, MedusaNgramDrafter, NgramDrafter
 from .drafters.plain import PlainDrafter
+from .tuned import tuned_choice
 
 DEFAULT_TREE = "cpu-8"
 
@@ -132,11 +133,8 @@ def default_configuration(dtype: torch.dtype, batch_size: int = 1,
     count; else, or without such a record, the table's (`default_drafter`). The heads are part of it: load
     `heads_path` (None: the default heads).
     """
-    if batch_size == 1:
-        from medusa_heads.apps.tune import tuned_choice  # not at the top: apps.tune imports this module
-
-        if (tuned := tuned_choice(dtype, torch.device(device))) is not None:
-            return tuned
+    if batch_size == 1 and (tuned := tuned_choice(dtype, torch.device(device), tune_candidates(dtype))) is not None:
+        return tuned
     return Configuration(*default_drafter(dtype, batch_size))
 
 

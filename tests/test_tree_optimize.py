@@ -13,8 +13,8 @@ from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.apps.cli import main
 from medusa_heads.apps.calibrate import (Calibration, calibrate, load_calibration, parse_rows, read_rows,
                                               to_conversations)
-from medusa_heads.apps.profile import (LatencyProfile, cached_profile, cpu_description, load_profile, measure_profile,
-                                       profile_path)
+from medusa_heads.apps.profile import LatencyProfile, cached_profile, load_profile, measure_profile, profile_path
+from medusa_heads.device import cpu_description
 from medusa_heads.inference import GenerationStats, make_drafter
 from medusa_heads.model import untrained_heads
 from medusa_heads.tree import build_tree, load_tree
@@ -307,7 +307,7 @@ def test_profiles_of_cpu_generations_named_alike_are_cached_apart(bigram_model, 
     monkeypatch.setenv("MEDUSA_HEADS_HOME", str(tmp_path))
     paths = []
     for text in (zen4, zen5):
-        monkeypatch.setattr("medusa_heads.apps.profile._cpuinfo", lambda text=text: text)
+        monkeypatch.setattr("medusa_heads.device._cpuinfo", lambda text=text: text)
         paths.append(profile_path(bigram_model))
     assert paths[0] != paths[1] and "family-25" in paths[0].name
 

@@ -10,7 +10,8 @@ import torch
 from medusa_heads.backbone import cache_home
 from medusa_heads.inference.registry import default_configuration, default_drafter, tune_candidates, tuning_prompts
 from medusa_heads.apps.cli import main
-from medusa_heads.apps.tune import record_path, tune
+from medusa_heads.apps.tune import tune
+from medusa_heads.inference.tuned import record_path
 
 from test_cli import assert_clean_error, run_cli  # noqa: E402  (pytest puts tests/ on sys.path)
 
@@ -107,7 +108,7 @@ def test_a_record_of_another_version_or_configuration_falls_back(home, caplog, c
 
 
 def test_a_record_for_another_cpu_dtype_or_thread_count_is_not_used(home, monkeypatch):
-    monkeypatch.setattr("medusa_heads.apps.profile._cpuinfo", lambda: _cpuinfo(25))  # a Zen 4
+    monkeypatch.setattr("medusa_heads.device._cpuinfo", lambda: _cpuinfo(25))  # a Zen 4
     _, zen4 = tune(BF16, CPU, tuning_prompts()[:2], faster(1), 8)
     assert default_configuration(BF16).tuned_on is not None
     assert_table(torch.float32)
@@ -118,7 +119,7 @@ def test_a_record_for_another_cpu_dtype_or_thread_count_is_not_used(home, monkey
     finally:
         torch.set_num_threads(threads)
 
-    monkeypatch.setattr("medusa_heads.apps.profile._cpuinfo", lambda: _cpuinfo(26))  # a Zen 5, named alike
+    monkeypatch.setattr("medusa_heads.device._cpuinfo", lambda: _cpuinfo(26))  # a Zen 5, named alike
     assert record_path(BF16, CPU) != zen4 and "family-25" in zen4.name
     assert_table()
     zen4.replace(record_path(BF16, CPU))  # even under this machine's name, the record says where it was made
@@ -162,7 +163,8 @@ def test_generate_runs_the_tuned_configuration_and_says_where_it_came_from(cli, 
     fallback = run_cli(*args)  # in a process of its own: all it prints
     lines = fallback.stderr.strip().splitlines()
     assert fallback.returncode == 0 and "Traceback" not in fallback.stderr, fallback.stderr
-    assert len([line for line in lines if line.startswith("WARNING medusa_heads.apps.tune:")]) == 1, fallback.stderr
+    warnings = [line for line in lines if line.startswith("WARNING medusa_heads.inference.tuned:")]
+    assert len(warnings) == 1, fallback.stderr
     drafter, options = default_drafter(BF16)
     assert f"drafter {drafter} (tree {options['tree']})" in lines[-1]
     assert lines[-1].endswith("; default: the project's table; run `medusa-heads tune` to pick for this machine]")

@@ -23,6 +23,7 @@ import transformers
 from tqdm import tqdm
 
 from medusa_heads.backbone import EMBEDDED_GGUF, _embedded_gguf_folder, load_backbone
+from medusa_heads.device import cpu_features, device_name
 from medusa_heads.errors import MedusaError, read_jsonl
 from medusa_heads.inference import GenerationStats, generate_ids, make_acceptance, make_drafter
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
@@ -32,7 +33,6 @@ from medusa_heads.packing import PackedLinear, pack_linears, stock_linears
 from medusa_heads.quantize import draft_weights_quantization, quantization_of, quantize_draft_weights
 
 from .memory import PeakMemory
-from .profile import cpu_features, device_name
 
 
 @dataclass

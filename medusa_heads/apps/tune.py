@@ -6,14 +6,12 @@ The candidates are the table's batch-1 row and those of `configs/tune.json` (`re
 answers the same few prompts greedily, in rotating order per prompt, after a warm-up; the fastest is the one of
 least median time a token. The record is cached next to the latency profiles, named as they are by device (a CPU
 by its name, family and model numbers), dtype and thread count, so a choice made on one CPU is never read on
-another.
+another; the runtime reads it through `inference/tuned.py`.
 """
 
 import json
-import logging
 import statistics
 import time
-from dataclasses import replace
 from datetime import date
 from pathlib import Path
 from typing import Callable, Sequence
@@ -24,50 +22,10 @@ from tqdm import tqdm
 from medusa_heads.backbone import EMBEDDED_MODEL, load_tokenizer
 from medusa_heads.inference import generate, make_drafter
 from medusa_heads.inference.registry import Configuration, tune_candidates
+from medusa_heads.inference.tuned import RECORD_VERSION, machine, record_path
 from medusa_heads.model import MedusaModel
 
-from .profile import cache_file, device_name
-
-logger = logging.getLogger(__name__)
-
-RECORD_VERSION = 1
 Measure = Callable[[Configuration, str], tuple[float, int]]  # (seconds, new tokens) of one greedy answer
-
-
-def _machine(dtype: torch.dtype, device: torch.device) -> dict:
-    return {"device": device_name(device), "dtype": str(dtype).removeprefix("torch."),
-            "threads": torch.get_num_threads()}
-
-
-def record_path(dtype: torch.dtype, device: torch.device) -> Path:
-    """Where `tune` records its choice for this device, dtype and thread count."""
-    machine = _machine(dtype, device)
-    return cache_file(EMBEDDED_MODEL, "tuned", machine["device"], machine["dtype"], f"{machine['threads']}threads")
-
-
-def tuned_choice(dtype: torch.dtype, device: torch.device) -> Configuration | None:
-    """The configuration `tune` recorded for this device, dtype and thread count, or None. A record that cannot be
-    read, is of another version or names a configuration no longer shipped is left as it is, with a one-line
-    warning."""
-    path = record_path(dtype, device)
-    if not path.exists():
-        return None
-    try:
-        record = json.loads(path.read_text())
-        machine = {k: record[k] for k in ("device", "dtype", "threads")}
-        version, chosen, tuned_on = record["version"], record["choice"], record["date"]
-    except (OSError, ValueError, KeyError, TypeError) as err:  # ValueError: not JSON, or not text
-        logger.warning("`%s` is not a record of `medusa-heads tune` (%s: %s): the project's table applies; run "
-                       "`medusa-heads tune` to replace it.", path, type(err).__name__, err)
-        return None
-    if machine != _machine(dtype, device):
-        return None  # another machine's record under a name that this one's shares
-    match = next((c for c in tune_candidates(dtype) if c.settings() == chosen), None)
-    if match is None or version != RECORD_VERSION:
-        logger.warning("`%s` was written by another version of medusa-heads, or names a configuration this one does "
-                       "not ship: the project's table applies; run `medusa-heads tune` again.", path)
-        return None
-    return replace(match, tuned_on=tuned_on)
 
 
 def time_candidates(candidates: Sequence[Configuration], prompts: Sequence[str], measure: Measure,
@@ -99,7 +57,7 @@ def tune(dtype: torch.dtype, device: torch.device, prompts: Sequence[str], measu
                  "tokens_per_second": round(sum(n for _, n in r) / sum(s for s, _ in r), 2)}
                 for c, r in zip(candidates, runs)]
     best = min(range(len(candidates)), key=lambda i: measured[i]["ms_per_token"])
-    record = {"version": RECORD_VERSION, **_machine(dtype, device), "date": date.today().isoformat(),
+    record = {"version": RECORD_VERSION, **machine(dtype, device), "date": date.today().isoformat(),
               "choice": candidates[best].settings(), "prompts": len(runs[0]), "max_new_tokens": max_new_tokens,
               "measured": measured}
     path = record_path(dtype, device)
