@@ -27,6 +27,7 @@ class WindowLayer(StaticLayer):
     """A `StaticLayer` (written in place at `cumulative_length`) whose attention reads its first `window` slots."""
 
     window = 0
+    start = 0  # where the next update writes (`cumulative_length` as a Python int, for the fast forward)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         keys, values = super().update(key_states, value_states, *args, **kwargs)
@@ -66,7 +67,7 @@ class TreeCache:
         for layer in self.cache.layers:
             if layer.is_initialized:
                 layer.cumulative_length.fill_(start)
-            layer.window = window
+            layer.window, layer.start = window, start
 
     def _mask_buffer(self, queries: int, window: int) -> torch.Tensor:
         if self._mask.shape[0] != self.batch_size or self._mask.shape[2] < queries:

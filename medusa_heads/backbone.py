@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from .errors import MedusaError
+from .fast_llama import FAST_FORWARD
 from .packing import PackedLinear
 
 logger = logging.getLogger(__name__)
@@ -195,6 +196,9 @@ def backbone_forward(
     On a backbone tapped by `tap_features` the hidden state is [B, T, (1 + n) H]: the last hidden state, then the
     inputs of the n tapped layers, in layer order.
     """
+    fast = getattr(backbone, FAST_FORWARD, None)
+    if fast is not None and cache is not None and attention_mask is not None and position_ids is not None:
+        return _fast_forward(fast, backbone, input_ids, cache, position_ids, attention_mask, logits_to_keep)
     caught = []
     decoder = backbone.get_decoder()
     hooks = [decoder.layers[i].register_forward_pre_hook(lambda _module, args: caught.append(args[0]))
@@ -207,3 +211,19 @@ def backbone_forward(
         for hook in hooks:
             hook.remove()
     return out.logits, torch.cat(caught[-1:] + caught[:-1], dim=-1) if len(caught) > 1 else caught[-1]
+
+
+def _fast_forward(fast, backbone: PreTrainedModel, input_ids: torch.Tensor, cache, position_ids: torch.Tensor,
+                  attention_mask: torch.Tensor, logits_to_keep: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`backbone_forward` through the backbone's `FastLlama`, over a tree cache's static layers."""
+    layers = cache.layers
+    if not layers[0].is_initialized:  # allocate the static buffers as the layers' first update would
+        config = backbone.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (input_ids.shape[0], config.num_key_value_heads, 0, head_dim)
+        empty = torch.empty(shape, dtype=backbone.dtype, device=input_ids.device)
+        for layer in layers:
+            layer.lazy_initialization(empty, empty)
+    kv = [(layer.keys, layer.values) for layer in layers]
+    return fast.forward(input_ids, position_ids, attention_mask, kv, layers[0].start, layers[0].window,
+                        getattr(backbone, FEATURE_LAYERS, ()), logits_to_keep)

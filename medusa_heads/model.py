@@ -20,6 +20,7 @@ from .attention import use_tree_gqa_attention
 from .backbone import EMBEDDED_MODEL, first_line, load_backbone, parse_dtype, tap_features
 from .config import MedusaConfig
 from .errors import MedusaError
+from .fast_llama import enable_fast_forward
 from .formats import import_original, is_original_layout
 from .head_types import head_type_class
 from .heads import DraftHeads
@@ -294,6 +295,7 @@ class MedusaModel(nn.Module):
         pack_weights: bool = True,
         quantize: str = "none",
         quantize_drafter: str = "none",
+        fast_forward: bool = True,
     ) -> "MedusaModel":
         r"""
         Load backbone + heads.
@@ -312,6 +314,8 @@ class MedusaModel(nn.Module):
                 (`quantize.py`, CPU only); packing then covers the layers left in float (the LM head).
             quantize_drafter: `none`, `int8` or `int4`: the same for the drafting weights (the heads' own layers and
                 their draft-vocabulary projection; CPU only). Lossless: only the drafts change, the backbone verifies.
+            fast_forward: decode a Llama-family backbone through `fast_llama.FastLlama` (the same function in fewer
+                operations) instead of its modules; other architectures keep the modules whatever this says.
 
         A backbone running transformers' `sdpa` attention switches to `sdpa_tree_gqa` (`attention.py`: tree steps
         read grouped key/value heads in place; bit-identical). These and `quantize` change a `base_model` passed in,
@@ -344,4 +348,6 @@ class MedusaModel(nn.Module):
             model.heads.requires_grad_(False)  # a packed model decodes: its heads are frozen like the backbone
             pack_linears(model)
             fuse_siblings(model.backbone, partial(_trial_logits, model.backbone))
+        if fast_forward:
+            enable_fast_forward(model.backbone)  # after packing: it computes with the packed weights
         return model

@@ -1,0 +1,192 @@
+r"""
+A forward for Llama-family decoders written for decoding: the same function as transformers' modules, in fewer
+operations.
+
+A decoding step on CPU is a few dozen tiny products wrapped in about 1,500 small eager operations and their Python
+(docs/benchmarks.md: of a plain SmolLM2-135M token's 15.9 ms, 6.9 are the products). This forward runs each layer
+as gpt-fast's and vLLM's model files do: one product for q/k/v and one for gate/up, RMSNorm as one fused
+operation, the rotary rotation of queries and keys together from a table made once, the new keys and values
+written in place into the tree cache's static buffers, and SDPA reading grouped key/value heads in place under the
+step's 4D mask. It reads the Hugging Face model's own weights: the stacked products are the oneDNN-packed groups
+that `packing.fuse_siblings` already made (or, where the model is not packed, the layers' weights become views of
+one stacked tensor), so nothing is held twice.
+
+It covers the architectures Medusa heads are trained for: Llama (SmolLM2), Mistral, Qwen2 (q/k/v biases) and Qwen3
+(per-head q/k norms), with SiLU MLPs, full attention and a rotary embedding that depends on the position only.
+Anything else keeps transformers' modules (`supports` says which). Greedy decoding through it is tested token for
+token against HF `generate` in fp32, and its logits against the modules' for each architecture.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from .packing import PackedLinear, SiblingLinear
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rotary angles that depend on the position alone
+FAST_FORWARD = "medusa_fast_forward"  # the backbone attribute `enable_fast_forward` sets
+
+
+def supports(backbone: PreTrainedModel) -> str | None:
+    """None where the fast forward computes what `backbone`'s modules compute, else why not, in words."""
+    config = backbone.config
+    name = type(backbone).__name__
+    if name not in ARCHITECTURES:
+        return f"{name} is not a Llama-family architecture ({', '.join(ARCHITECTURES)})"
+    if config.hidden_act != "silu":
+        return f"its MLP uses {config.hidden_act}, not silu"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in STATIC_ROPE:
+        return f"its {rope} rotary embedding changes with the sequence length"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "it uses sliding-window attention"
+    layer = backbone.model.layers[0]
+    linears = (*_attention_projections(layer), layer.self_attn.o_proj, *_mlp_projections(layer), layer.mlp.down_proj)
+    if any(type(m) not in (nn.Linear, PackedLinear, SiblingLinear) for m in linears):
+        return "its linear layers are quantized or wrapped"
+    if getattr(layer.mlp.gate_proj, "bias", None) is not None or layer.self_attn.o_proj.bias is not None:
+        return "its MLP or output projection has a bias"
+    return None
+
+
+def _attention_projections(layer: nn.Module) -> list[nn.Linear]:
+    return [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
+
+
+def _mlp_projections(layer: nn.Module) -> list[nn.Linear]:
+    return [layer.mlp.gate_proj, layer.mlp.up_proj]
+
+
+class StackedLinear:
+    """Sibling linear layers as one product whose output holds theirs side by side, over their own weights."""
+
+    def __init__(self, members: list[nn.Linear]):
+        siblings = getattr(members[0], "siblings", None)
+        biases = [m.bias for m in members]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.packed = self.weight = None
+        if siblings is not None and siblings.members == members:
+            self.packed = siblings.packed  # the group `fuse_siblings` already packed
+        elif all(type(m) is PackedLinear for m in members):  # packed, but not fused: one more packed copy
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in members]))
+        else:
+            # one stacked tensor, and each layer's weight a view of its rows: still one copy of the weights
+            self.weight = torch.cat([m.weight.detach() for m in members])
+            rows = 0
+            for m in members:
+                m.weight.data = self.weight[rows : rows + m.out_features]
+                rows += m.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _linear(module: nn.Linear):
+    """A linear layer's product: its packed weight called directly where it has one (skipping the module call)."""
+    if type(module) is PackedLinear:
+        packed, bias, features = module.packed, module.bias, module.out_features
+        return lambda x: torch.ops.mkldnn._linear_pointwise(
+            x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "").view(*x.shape[:-1], features)
+    return module
+
+
+class FastLlamaLayer:
+    """One decoder layer's function over its modules' weights."""
+
+    def __init__(self, layer: nn.Module, config):
+        attn = layer.self_attn
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scaling = attn.scaling
+        self.qkv = StackedLinear(_attention_projections(layer))
+        self.gate_up = StackedLinear(_mlp_projections(layer))
+        self.o_proj, self.down_proj = _linear(attn.o_proj), _linear(layer.mlp.down_proj)
+        self.norms = [(n.weight, n.variance_epsilon) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        self.qk_norm = None
+        if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's queries and keys before the rotation
+            self.qk_norm = [(n.weight, n.variance_epsilon) for n in (attn.q_norm, attn.k_norm)]
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, start: int, window: int, mask: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, H]; cos, sin: [B, T, 1, D]; keys, values: [B, H_kv, S, D], written at [start, start + T)
+        B, T, _ = x.shape
+        D, Hq, Hkv = self.head_dim, self.heads, self.kv_heads
+        weight, eps = self.norms[0]
+        qkv = self.qkv(F.rms_norm(x, weight.shape, weight, eps)).view(B, T, Hq + 2 * Hkv, D)
+        qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
+        if self.qk_norm is not None:
+            (wq, eps_q), (wk, eps_k) = self.qk_norm
+            qk = torch.cat([F.rms_norm(qk[:, :, :Hq], wq.shape, wq, eps_q),
+                            F.rms_norm(qk[:, :, Hq:], wk.shape, wk, eps_k)], dim=2)
+        qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)  # [B, T, Hq + Hkv, D]; `sin` carries the sign
+        keys[:, :, start : start + T] = qk[:, :, Hq:].transpose(1, 2)
+        values[:, :, start : start + T] = v.transpose(1, 2)
+        out = F.scaled_dot_product_attention(qk[:, :, :Hq].transpose(1, 2), keys[:, :, :window],
+                                             values[:, :, :window], attn_mask=mask, scale=self.scaling,
+                                             enable_gqa=Hq != Hkv)  # [B, Hq, T, D]
+        x = x + self.o_proj(out.transpose(1, 2).reshape(B, T, Hq * D))
+        weight, eps = self.norms[1]
+        gate, up = self.gate_up(F.rms_norm(x, weight.shape, weight, eps)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class FastLlama:
+    r"""
+    The decoder of a Llama-family `backbone` over a static cache, made once the model is on its device, in its
+    dtype and packed (it reads the weights as they are then). `forward` takes what the tree cache gives a step.
+    """
+
+    def __init__(self, backbone: PreTrainedModel):
+        decoder = backbone.model
+        config = backbone.config
+        self.embed = decoder.embed_tokens
+        self.layers = [FastLlamaLayer(layer, config) for layer in decoder.layers[: config.num_hidden_layers]]
+        self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
+        self.lm_head = backbone.lm_head
+        # The rotary angles of every position, as transformers' own rotary module computes them (with its scaling)
+        positions = torch.arange(config.max_position_embeddings, device=backbone.device)[None]
+        cos, sin = decoder.rotary_emb(self.embed.weight[:1], positions)
+        half = cos.shape[-1] // 2
+        # rotate_half(x) * sin = roll(x, D / 2) * signed_sin: the first half of the angles' sines negated
+        self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [P, D], model dtype
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, T, 1, D] at `positions` [B, T]."""
+        return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: list,
+                start: int, window: int, taps: tuple[int, ...] = (), logits_to_keep: int | torch.Tensor = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        r"""
+        input_ids, positions [B, T]; mask [B, 1, T, window] (bool: which cache slots each token sees, its own
+        included); kv: per layer (keys, values) [B, H_kv, S, D], the new entries written at slots [start, start + T).
+        Returns `backbone_forward`'s (logits, hidden): hidden [B, T, (1 + len(taps)) H] is the last hidden state then
+        the inputs of layers `taps`.
+        """
+        x = self.embed(input_ids)
+        cos, sin = self.rotary(positions)
+        tapped = []
+        for i, (layer, (keys, values)) in enumerate(zip(self.layers, kv)):
+            if i in taps:
+                tapped.append(x)
+            x = layer(x, cos, sin, keys, values, start, window, mask)
+        weight, eps = self.norm
+        hidden = F.rms_norm(x, weight.shape, weight, eps)
+        if isinstance(logits_to_keep, torch.Tensor):
+            logits = self.lm_head(hidden[:, logits_to_keep])
+        else:
+            logits = self.lm_head(hidden[:, -logits_to_keep:])
+        return logits, torch.cat([hidden, *tapped], dim=-1) if tapped else hidden
+
+
+def enable_fast_forward(backbone: PreTrainedModel) -> bool:
+    """Decode `backbone` through `FastLlama` where it `supports` it; returns whether it does."""
+    if supports(backbone) is not None:
+        return False
+    setattr(backbone, FAST_FORWARD, FastLlama(backbone))
+    return True
