@@ -51,6 +51,11 @@ def supports(backbone: PreTrainedModel) -> str | None:
     return None
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, rounded as transformers rounds it: normalised in fp32, cast, then scaled in the input dtype."""
+    return weight * F.rms_norm(x, weight.shape, eps=eps)
+
+
 def _attention_projections(layer: nn.Module) -> list[nn.Linear]:
     return [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
 
@@ -117,21 +122,26 @@ class FastLlamaLayer:
         B, T, _ = x.shape
         D, Hq, Hkv = self.head_dim, self.heads, self.kv_heads
         weight, eps = self.norms[0]
-        qkv = self.qkv(F.rms_norm(x, weight.shape, weight, eps)).view(B, T, Hq + 2 * Hkv, D)
+        qkv = self.qkv(rms_norm(x, weight, eps)).view(B, T, Hq + 2 * Hkv, D)
         qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
         if self.qk_norm is not None:
             (wq, eps_q), (wk, eps_k) = self.qk_norm
-            qk = torch.cat([F.rms_norm(qk[:, :, :Hq], wq.shape, wq, eps_q),
-                            F.rms_norm(qk[:, :, Hq:], wk.shape, wk, eps_k)], dim=2)
-        qk = torch.addcmul(qk * cos, qk.roll(D // 2, dims=-1), sin)  # [B, T, Hq + Hkv, D]; `sin` carries the sign
+            qk = torch.cat([rms_norm(qk[:, :, :Hq], wq, eps_q), rms_norm(qk[:, :, Hq:], wk, eps_k)], dim=2)
+        qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # [B, T, Hq + Hkv, D]; `sin` carries the sign
         keys[:, :, start : start + T] = qk[:, :, Hq:].transpose(1, 2)
         values[:, :, start : start + T] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(qk[:, :, :Hq].transpose(1, 2), keys[:, :, :window],
-                                             values[:, :, :window], attn_mask=mask, scale=self.scaling,
-                                             enable_gqa=Hq != Hkv)  # [B, Hq, T, D]
-        x = x + self.o_proj(out.transpose(1, 2).reshape(B, T, Hq * D))
+        keys, values = keys[:, :, :window], values[:, :, :window]
+        if T == 1 and Hq != Hkv:
+            # One token: each key/value head's query heads as rows of one query, as transformers' sdpa runs it
+            # (`pack_gqa`), which rounds otherwise than SDPA's grouped mode
+            out = F.scaled_dot_product_attention(qk[:, :, :Hq].reshape(B, Hkv, Hq // Hkv, D), keys, values,
+                                                 attn_mask=mask, scale=self.scaling)  # [B, Hkv, Hq / Hkv, D]
+        else:
+            out = F.scaled_dot_product_attention(qk[:, :, :Hq].transpose(1, 2), keys, values, attn_mask=mask,
+                                                 scale=self.scaling, enable_gqa=Hq != Hkv).transpose(1, 2)
+        x = x + self.o_proj(out.reshape(B, T, Hq * D))
         weight, eps = self.norms[1]
-        gate, up = self.gate_up(F.rms_norm(x, weight.shape, weight, eps)).chunk(2, dim=-1)
+        gate, up = self.gate_up(rms_norm(x, weight, eps)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
 
@@ -176,7 +186,7 @@ class FastLlama:
                 tapped.append(x)
             x = layer(x, cos, sin, keys, values, start, window, mask)
         weight, eps = self.norm
-        hidden = F.rms_norm(x, weight.shape, weight, eps)
+        hidden = rms_norm(x, weight, eps)
         if isinstance(logits_to_keep, torch.Tensor):
             logits = self.lm_head(hidden[:, logits_to_keep])
         else:
