@@ -11,7 +11,7 @@ Every vLLM method is an engine of its own (`LLM(...)`, started once); each promp
 rotating order after a warm-up, so that the machine's load falls on all alike. Greedy, batch 1, the prompt ids
 are the chat template's, as this project's bench builds them. vLLM's speculative counters are its per-request
 metrics (`per_request_spec_decode_metrics`). This project's runtime (`--ours`, through `medusa-heads bench` in
-the project's `.venv`) runs before the engines start, never at the same time; `--ours llama.cpp,...` adds
+the project's `.venv`, its full report and plots in OUT/ours) runs before the engines start, never at the same time; `--ours llama.cpp,...` adds
 llama.cpp's row through that bench (llama-cpp-python in `.venv`: `pip install -e '.[llamacpp]'`).
 
 Methods (`--methods`): `plain`; `ngram:K` (vLLM's prompt lookup, K tokens, n-grams of 2-4 tokens like this
@@ -270,7 +270,7 @@ def main() -> None:
         # a bad method fails now, not after the bench
         configs = speculative_configs(methods, heads, eagle, args.drafter)
         ours_methods = [m for m in args.ours.split(",") if m]
-        bench = run_ours(args.project_cli, ours_methods, args, Path(tmp) / "ours") if ours_methods else None
+        bench = run_ours(args.project_cli, ours_methods, args, args.out / "ours") if ours_methods else None
         for given, source, folder in ((args.heads, SHIPPED_MEDUSA, heads), (args.eagle, SHIPPED_EAGLE, eagle)):
             if given is None and any(c and c.get("model") == folder for c in configs.values()):
                 export_shipped(args.project_cli, source, Path(folder))
