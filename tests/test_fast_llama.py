@@ -74,6 +74,23 @@ def test_fast_forward_computes_what_the_modules_do(family):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_unpacked_the_layers_weights_become_views_of_the_stacked_one(family):
+    """Where nothing is packed (a GPU, or `pack_weights=False`) the products run over one stacked weight, and the
+    modules keep computing with views of it: one copy of the weights, the same function."""
+    fast, slow = pair(tiny(family), pack_weights=False)
+    attention = fast.backbone.model.layers[0].self_attn
+    stacked = fast.backbone.medusa_fast_forward.layers[0].qkv.weight
+    assert attention.k_proj.weight.data_ptr() == stacked[attention.q_proj.out_features:].data_ptr()
+    tree = build_tree(load_tree("cpu-8"))
+    prompt = torch.randint(0, 300, (1, 10), generator=torch.Generator().manual_seed(7))
+    tokens = torch.randint(0, 300, (1, tree.size), generator=torch.Generator().manual_seed(8))
+    for a, b in zip(prefill_and_step(fast, prompt, tree, tokens), prefill_and_step(slow, prompt, tree, tokens)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the modules' own forward over the views
+        torch.testing.assert_close(fast.backbone(prompt).logits, slow.backbone(prompt).logits)
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_fast_forward_decodes_hf_greedy(family):
     fast, _ = pair(tiny(family))

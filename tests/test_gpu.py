@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from medusa_heads import EMBEDDED_MODEL, MedusaModel, load_backbone, load_heads
+from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.inference import make_drafter
 from medusa_heads.inference.generate import encode_prompt
 from medusa_heads.model import shipped_heads
@@ -22,3 +23,13 @@ def test_tree_decoding_on_cuda_is_the_backbone_greedy_output(tokenizer, chat_pro
     references = [(ids.cuda(), hf_greedy(backbone, ids.cuda(), 64))
                   for ids in (encode_prompt(tokenizer, p) for p in chat_prompts[:3])]
     assert_exact(model, backbone, references, make_drafter(model, drafter, **options), 64)
+
+
+def test_the_fast_forward_on_cuda_is_the_backbone_greedy_output(tokenizer, chat_prompts):
+    """`from_pretrained` on a GPU: nothing packed, the fast forward over views of one stacked q/k/v and gate/up
+    weight; HF's greedy tokens with the default tree."""
+    model = MedusaModel.from_pretrained(dtype=torch.float32, device="cuda")
+    assert hasattr(model.backbone, FAST_FORWARD)
+    references = [(ids.cuda(), hf_greedy(model.backbone, ids.cuda(), 64))
+                  for ids in (encode_prompt(tokenizer, p) for p in chat_prompts[:3])]
+    assert_exact(model, model.backbone, references, make_drafter(model, "medusa+ngram", tree="hydra-cpu-6"), 64)
