@@ -17,12 +17,14 @@ Anything else keeps transformers' modules (`supports` says which). Greedy decodi
 token against HF `generate` in fp32, and its logits against the modules' for each architecture.
 """
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from .packing import PackedLinear, SiblingLinear
+from .packing import PackedLinear, SiblingLinear, packed_product
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rotary angles that depend on the position alone
@@ -87,16 +89,13 @@ class StackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
-        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return packed_product(x, self.packed, self.bias)
 
 
 def _linear(module: nn.Linear):
     """A linear layer's product: its packed weight called directly where it has one (skipping the module call)."""
     if type(module) is PackedLinear:
-        packed, bias, features = module.packed, module.bias, module.out_features
-        return lambda x: torch.ops.mkldnn._linear_pointwise(
-            x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "").view(*x.shape[:-1], features)
+        return partial(packed_product, packed=module.packed, bias=module.bias)
     return module
 
 

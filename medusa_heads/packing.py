@@ -39,15 +39,19 @@ def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ weight.T + bias` [..., out] with the weight packed for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`)."""
+    out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")  # 2D only
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class PackedLinear(nn.Linear):
     """An `nn.Linear` computing with `packed`, its weight blocked for oneDNN (made by `pack_linears`)."""
 
     packed: torch.Tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1])  # oneDNN's linear takes 2D input
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return packed_product(x, self.packed, self.bias)
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -94,10 +98,8 @@ class Siblings:
         """Member `index`'s output for `x`."""
         version = x._version if not x.is_inference() else 0
         if x is not self.input or version != self.version or index in self.taken:
-            rows = x.reshape(-1, x.shape[-1])
-            out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
             # Contiguous copies: a strided slice can send a later kernel down another path with another rounding.
-            outputs = out.reshape(*x.shape[:-1], out.shape[-1]).split(self.sizes, dim=-1)
+            outputs = packed_product(x, self.packed, self.bias).split(self.sizes, dim=-1)
             self.outputs = tuple(o.contiguous() for o in outputs)
             self.input, self.version, self.taken = x, version, set()
         self.taken.add(index)
