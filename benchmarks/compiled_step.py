@@ -7,7 +7,7 @@ the runtime's own packed weights through a C++ operator (`packed_linear_op.cpp`,
 torch.utils.cpp_extension: a compiler and the torch headers are needed), the new keys and values go into static
 buffers with `index_copy_` at slots given as a tensor, and the attention window is a dynamic size, so one graph per
 tree size serves every context length. Inductor fuses the rest (RMSNorm, rotation, SiLU * up) into C++ loops.
-It is not wired into the runtime: the table below is what it would give one forward.
+It is not wired into the runtime: it measures what compiling would give one forward.
 
     python benchmarks/compiled_step.py --sizes 1,14 --dtype bfloat16
 
@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from torch.utils.cpp_extension import load
 
 from medusa_heads import MedusaModel
-from medusa_heads.fast_llama import FAST_FORWARD, FastLlama
+from medusa_heads.fast_llama import FAST_FORWARD, FastLlama, rms_norm
+from medusa_heads.inference.cache import round_up
 
 # Round bf16 glue where eager rounds it: bf16 logits then stay within a few units of eager's, at the same speed
 torch._inductor.config.emulate_precision_casts = True
@@ -48,10 +49,6 @@ class Product:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.medusa_bench.packed_linear(x, self.index, self.out_features, None)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return weight * F.rms_norm(x, weight.shape, eps=eps)
 
 
 class CompiledLlama:
@@ -124,14 +121,14 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     with torch.inference_mode():
         for size in map(int, args.sizes.split(",")):
-            window = -(-(args.context + size) // 16) * 16
+            window = round_up(args.context + size)
             ids, positions, mask, slots = step_inputs(size, args.context, window, config.vocab_size)
             torch._dynamo.mark_dynamic(mask, 3)
             start = time.perf_counter()
             logits = compiled.compiled(ids, positions, mask, slots, kv)
             first = time.perf_counter() - start
             reference, _ = fast.forward(ids, positions, mask, kv, args.context, window, (), 1)
-            other = step_inputs(size, args.context + 100, window + 112, config.vocab_size)
+            other = step_inputs(size, args.context + 100, round_up(args.context + 100 + size), config.vocab_size)
             start = time.perf_counter()
             compiled.compiled(*other, kv)
             second = time.perf_counter() - start
