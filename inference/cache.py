@@ -38,7 +38,9 @@ class TreeCache:
     """The static cache of `batch_size` sequences of up to `max_len` entries each (prompt, answer and a tree)."""
 
     def __init__(self, backbone: PreTrainedModel, batch_size: int, max_len: int):
-        self.size = round_up(max_len)
+        # One bucket more than asked for: attention windows stay shorter than the cache, so a compiled step's graph
+        # never meets a window equal to the cache's size (a case it would specialize for, and recompile)
+        self.size = round_up(max_len) + BUCKET
         static = StaticCache(config=backbone.config, max_cache_len=self.size)
         kinds = {type(layer).__name__ for layer in static.layers if type(layer) is not StaticLayer}
         if kinds:

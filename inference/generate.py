@@ -163,7 +163,8 @@ def prefill(model: MedusaModel, prompts: list[list[int]], cache: TreeCache) -> t
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
     positions, mask = cache.prefill_inputs([len(p) for p in prompts], width)
-    logits, hidden = backbone_forward(model.backbone, ids, cache.cache, positions, mask, logits_to_keep=1)
+    logits, hidden = backbone_forward(model.backbone, ids, cache.cache, positions, mask, logits_to_keep=1,
+                                      prompt=True)
     return logits[:, -1], hidden
 
 

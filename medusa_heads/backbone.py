@@ -188,16 +188,20 @@ def backbone_forward(
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
     logits_to_keep: int = 0,
+    prompt: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward pass; returns (logits [B, T', V] at the T' kept positions, last hidden state [B, T, H]).
 
     The last hidden state is the one the model's own LM head reads, the input the heads are trained on: the
     decoder's output, caught by a forward hook rather than asking the model for every layer's hidden states.
     On a backbone tapped by `tap_features` the hidden state is [B, T, (1 + n) H]: the last hidden state, then the
-    inputs of the n tapped layers, in layer order.
+    inputs of the n tapped layers, in layer order. `prompt`: a prompt's forward, which a compiled fast forward runs
+    eagerly (its graphs are for decoding steps).
     """
     fast = getattr(backbone, FAST_FORWARD, None)
     if fast is not None and cache is not None and attention_mask is not None and position_ids is not None:
+        if prompt:
+            fast = getattr(fast, "eager", fast)
         return _fast_forward(fast, backbone, input_ids, cache, position_ids, attention_mask, logits_to_keep)
     caught = []
     decoder = backbone.get_decoder()
@@ -218,11 +222,14 @@ def _fast_forward(fast, backbone: PreTrainedModel, input_ids: torch.Tensor, cach
     """`backbone_forward` through the backbone's `FastLlama`, over a tree cache's static layers."""
     layers = cache.layers
     if not layers[0].is_initialized:  # allocate the static buffers as the layers' first update would
-        first = fast.layers[0]
-        shape = (input_ids.shape[0], first.kv_heads, 0, first.head_dim)
+        config = backbone.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (input_ids.shape[0], config.num_key_value_heads, 0, head_dim)
         empty = torch.empty(shape, dtype=backbone.dtype, device=input_ids.device)
         for layer in layers:
             layer.lazy_initialization(empty, empty)
     kv = [(layer.keys, layer.values) for layer in layers]
-    return fast.forward(input_ids, position_ids, attention_mask, kv, layers[0].start, layers[0].window,
-                        getattr(backbone, FEATURE_LAYERS, ()), logits_to_keep)
+    start = layers[0].start
+    slots = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
+    return fast.forward(input_ids, position_ids, attention_mask, kv, slots, getattr(backbone, FEATURE_LAYERS, ()),
+                        logits_to_keep)

@@ -17,7 +17,9 @@ Anything else keeps transformers' modules (`supports` says which). Greedy decodi
 token against HF `generate` in fp32, and its logits against the modules' for each architecture.
 """
 
-from functools import partial
+import copy
+import logging
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,8 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .packing import PackedLinear, SiblingLinear, packed_product
+
+logger = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rotary angles that depend on the position alone
@@ -66,25 +70,13 @@ def _mlp_projections(layer: nn.Module) -> list[nn.Linear]:
     return [layer.mlp.gate_proj, layer.mlp.up_proj]
 
 
-class StackedLinear:
-    """Sibling linear layers as one product whose output holds theirs side by side, over their own weights."""
+class Product:
+    """`x @ weight.T + bias` [..., out_features] over a layer's own weights: a plain `weight`, or its oneDNN-packed
+    copy `packed` (then `weight` is None: one copy is enough)."""
 
-    def __init__(self, members: list[nn.Linear]):
-        siblings = getattr(members[0], "siblings", None)
-        biases = [m.bias for m in members]
-        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self.packed = self.weight = None
-        if siblings is not None and siblings.members == members:
-            self.packed = siblings.packed  # the group `fuse_siblings` already packed
-        elif all(type(m) is PackedLinear for m in members):  # packed, but not fused: one more packed copy
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in members]))
-        else:
-            # one stacked tensor, and each layer's weight a view of its rows: still one copy of the weights
-            self.weight = torch.cat([m.weight.detach() for m in members])
-            rows = 0
-            for m in members:
-                m.weight.data = self.weight[rows : rows + m.out_features]
-                rows += m.out_features
+    def __init__(self, out_features: int, bias: torch.Tensor | None, weight: torch.Tensor | None = None,
+                 packed: torch.Tensor | None = None):
+        self.out_features, self.bias, self.weight, self.packed = out_features, bias, weight, packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
@@ -92,33 +84,64 @@ class StackedLinear:
         return packed_product(x, self.packed, self.bias)
 
 
-def _linear(module: nn.Linear):
-    """A linear layer's product: its packed weight called directly where it has one (skipping the module call)."""
-    if type(module) is PackedLinear:
-        return partial(packed_product, packed=module.packed, bias=module.bias)
-    return module
+def product(module: nn.Linear) -> Product:
+    """A linear layer's product, called without the module (its packed weight directly where it has one)."""
+    bias = None if module.bias is None else module.bias.detach()
+    if type(module) in (PackedLinear, SiblingLinear):
+        return Product(module.out_features, bias, packed=module.packed)
+    return Product(module.out_features, bias, weight=module.weight.detach())
+
+
+def stacked_product(members: list[nn.Linear]) -> Product:
+    """Sibling linear layers as one product whose output holds theirs side by side, over their own weights."""
+    siblings = getattr(members[0], "siblings", None)
+    biases = [m.bias for m in members]
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    out_features = sum(m.out_features for m in members)
+    if siblings is not None and siblings.members == members:
+        return Product(out_features, bias, packed=siblings.packed)  # the group `fuse_siblings` already packed
+    weight = torch.cat([m.weight.detach() for m in members])
+    if all(type(m) is PackedLinear for m in members):  # packed, but not fused: one more packed copy
+        return Product(out_features, bias, packed=torch.ops.mkldnn._reorder_linear_weight(weight))
+    # one stacked tensor, and each layer's weight a view of its rows: still one copy of the weights
+    rows = 0
+    for m in members:
+        m.weight.data = weight[rows : rows + m.out_features]
+        rows += m.out_features
+    return Product(out_features, bias, weight=weight)
 
 
 class FastLlamaLayer:
     """One decoder layer's function over its modules' weights."""
+
+    PRODUCTS = ("qkv", "o_proj", "gate_up", "down_proj")
 
     def __init__(self, layer: nn.Module, config):
         attn = layer.self_attn
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
-        self.qkv = StackedLinear(_attention_projections(layer))
-        self.gate_up = StackedLinear(_mlp_projections(layer))
-        self.o_proj, self.down_proj = _linear(attn.o_proj), _linear(layer.mlp.down_proj)
+        self.qkv = stacked_product(_attention_projections(layer))
+        self.gate_up = stacked_product(_mlp_projections(layer))
+        self.o_proj, self.down_proj = product(attn.o_proj), product(layer.mlp.down_proj)
         self.norms = [(n.weight, n.variance_epsilon) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         self.qk_norm = None
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's queries and keys before the rotation
             self.qk_norm = [(n.weight, n.variance_epsilon) for n in (attn.q_norm, attn.k_norm)]
 
+    def with_products(self, wrap: Callable[[Product], Callable]) -> "FastLlamaLayer":
+        """The same layer with each of its products `wrap`ped (a copy; this one is left as it is)."""
+        twin = copy.copy(self)
+        for name in self.PRODUCTS:
+            setattr(twin, name, wrap(getattr(self, name)))
+        return twin
+
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor, start: int, window: int, mask: torch.Tensor) -> torch.Tensor:
-        # x: [B, T, H]; cos, sin: [B, T, 1, D]; keys, values: [B, H_kv, S, D], written at [start, start + T)
+                 values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        # x: [B, T, H]; cos, sin: [B, T, 1, D]; keys, values: [B, H_kv, S, D], written at `slots` [T];
+        # mask [B, 1, T, window]: attention reads the first `window` slots
         B, T, _ = x.shape
+        window = mask.shape[-1]
         D, Hq, Hkv = self.head_dim, self.heads, self.kv_heads
         weight, eps = self.norms[0]
         qkv = self.qkv(rms_norm(x, weight, eps)).view(B, T, Hq + 2 * Hkv, D)
@@ -127,8 +150,8 @@ class FastLlamaLayer:
             (wq, eps_q), (wk, eps_k) = self.qk_norm
             qk = torch.cat([rms_norm(qk[:, :, :Hq], wq, eps_q), rms_norm(qk[:, :, Hq:], wk, eps_k)], dim=2)
         qk = qk * cos + qk.roll(D // 2, dims=-1) * sin  # [B, T, Hq + Hkv, D]; `sin` carries the sign
-        keys[:, :, start : start + T] = qk[:, :, Hq:].transpose(1, 2)
-        values[:, :, start : start + T] = v.transpose(1, 2)
+        keys.index_copy_(2, slots, qk[:, :, Hq:].transpose(1, 2))
+        values.index_copy_(2, slots, v.transpose(1, 2))
         keys, values = keys[:, :, :window], values[:, :, :window]
         if T == 1 and Hq != Hkv:
             # One token: each key/value head's query heads as rows of one query, as transformers' sdpa runs it
@@ -156,7 +179,8 @@ class FastLlama:
         self.embed = decoder.embed_tokens
         self.layers = [FastLlamaLayer(layer, config) for layer in decoder.layers[: config.num_hidden_layers]]
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
-        self.lm_head = backbone.lm_head
+        head = backbone.lm_head
+        self.lm_head = product(head) if type(head) in (nn.Linear, PackedLinear) else head
         # The rotary angles of every position, as transformers' own rotary module computes them (with its scaling)
         positions = torch.arange(config.max_position_embeddings, device=backbone.device)[None]
         cos, sin = decoder.rotary_emb(self.embed.weight[:1], positions)
@@ -169,33 +193,51 @@ class FastLlama:
         return self.cos[positions].unsqueeze(2), self.sin[positions].unsqueeze(2)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: list,
-                start: int, window: int, taps: tuple[int, ...] = (), logits_to_keep: int | torch.Tensor = 0
+                slots: torch.Tensor, taps: tuple[int, ...] = (), logits_to_keep: int | torch.Tensor = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         r"""
-        input_ids, positions [B, T]; mask [B, 1, T, window] (bool: which cache slots each token sees, its own
-        included); kv: per layer (keys, values) [B, H_kv, S, D], the new entries written at slots [start, start + T).
+        input_ids, positions [B, T]; mask [B, 1, T, window] (bool: which of the first `window` cache slots each
+        token sees, its own included); kv: per layer (keys, values) [B, H_kv, S, D], the new entries written at
+        `slots` [T].
         Returns `backbone_forward`'s (logits, hidden): hidden [B, T, (1 + len(taps)) H] is the last hidden state then
         the inputs of layers `taps`.
         """
+        hidden, features = self.decode(input_ids, positions, mask, kv, slots, taps)
+        return self.logits(hidden, logits_to_keep), features
+
+    def decode(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: list,
+               slots: torch.Tensor, taps: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` up to the LM head: (last hidden state [B, T, H], `forward`'s hidden)."""
         x = self.embed(input_ids)
         cos, sin = self.rotary(positions)
         tapped = []
         for i, (layer, (keys, values)) in enumerate(zip(self.layers, kv)):
             if i in taps:
                 tapped.append(x)
-            x = layer(x, cos, sin, keys, values, start, window, mask)
+            x = layer(x, cos, sin, keys, values, slots, mask)
         weight, eps = self.norm
         hidden = rms_norm(x, weight, eps)
-        if isinstance(logits_to_keep, torch.Tensor):
-            logits = self.lm_head(hidden[:, logits_to_keep])
-        else:
-            logits = self.lm_head(hidden[:, -logits_to_keep:])
-        return logits, torch.cat([hidden, *tapped], dim=-1) if tapped else hidden
+        return hidden, torch.cat([hidden, *tapped], dim=-1) if tapped else hidden
+
+    def logits(self, hidden: torch.Tensor, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """The logits at the positions `logits_to_keep` (indices, or the last N; 0: all) of `hidden` [B, T, H]."""
+        keep = logits_to_keep if isinstance(logits_to_keep, torch.Tensor) else slice(-logits_to_keep, None)
+        return self.lm_head(hidden[:, keep])
 
 
-def enable_fast_forward(backbone: PreTrainedModel) -> bool:
-    """Decode `backbone` through `FastLlama` where it `supports` it; returns whether it does."""
+def enable_fast_forward(backbone: PreTrainedModel, compile_step: bool = False) -> bool:
+    """Decode `backbone` through `FastLlama` where it `supports` it, compiled (`compiled_llama.CompiledLlama`) if
+    `compile_step` and it can be; returns whether it decodes through `FastLlama`."""
     if supports(backbone) is not None:
         return False
-    setattr(backbone, FAST_FORWARD, FastLlama(backbone))
+    fast = FastLlama(backbone)
+    if compile_step:
+        from .compiled_llama import CompiledLlama, why_not_compiled  # it imports backbone.py, which imports this
+
+        why_not = why_not_compiled(fast)
+        if why_not is None:
+            fast = CompiledLlama(fast)
+        else:
+            logger.warning("Decoding without compiling: %s.", why_not)
+    setattr(backbone, FAST_FORWARD, fast)
     return True

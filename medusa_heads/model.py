@@ -296,6 +296,7 @@ class MedusaModel(nn.Module):
         quantize: str = "none",
         quantize_drafter: str = "none",
         fast_forward: bool = True,
+        compile_step: bool | str = False,
     ) -> "MedusaModel":
         r"""
         Load backbone + heads.
@@ -316,6 +317,9 @@ class MedusaModel(nn.Module):
                 their draft-vocabulary projection; CPU only). Lossless: only the drafts change, the backbone verifies.
             fast_forward: decode a Llama-family backbone through `fast_llama.FastLlama` (the same function in fewer
                 operations) instead of its modules; other architectures keep the modules whatever this says.
+            compile_step: decode through the fast forward compiled (`compiled_llama.py`: 20-30 s a step size the
+                first time, then cached on disk; 1.2-1.3x faster steps on CPU). `auto`: where it pays, a CPU
+                computing in bf16 (`parse_dtype`); fp32 steps compile too, but round otherwise than HF's modules.
 
         A backbone running transformers' `sdpa` attention switches to `sdpa_tree_gqa` (`attention.py`: tree steps
         read grouped key/value heads in place; bit-identical). These and `quantize` change a `base_model` passed in,
@@ -348,6 +352,8 @@ class MedusaModel(nn.Module):
             model.heads.requires_grad_(False)  # a packed model decodes: its heads are frozen like the backbone
             pack_linears(model)
             fuse_siblings(model.backbone, partial(_trial_logits, model.backbone))
+        if compile_step == "auto":
+            compile_step = dtype == torch.bfloat16 and torch.device(device).type == "cpu"
         if fast_forward:
-            enable_fast_forward(model.backbone)  # after packing: it computes with the packed weights
+            enable_fast_forward(model.backbone, compile_step)  # after packing: it computes with the packed weights
         return model

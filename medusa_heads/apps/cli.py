@@ -3,6 +3,7 @@
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -28,6 +29,13 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 (exact greedy), bfloat16, float16 or auto (bfloat16 "
                    "where the device computes in it natively, else float32)")
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
+
+
+def _add_compile_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--compile", choices=["auto", "on", "off"], default=os.environ.get("MEDUSA_HEADS_COMPILE", "auto"),
+                   help="decode a Llama-family backbone through the compiled step (20-30 s a step size the first "
+                   "time, then cached on disk); auto: on a CPU computing in bf16 (default: auto, or the "
+                   "MEDUSA_HEADS_COMPILE environment variable)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -79,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--quantize-drafter", choices=QUANTIZATIONS,
                    help=QUANTIZE_DRAFTER_HELP + " (default: none, or the tuned configuration's)")
     _add_runtime_args(g)
+    _add_compile_arg(g)
     g.set_defaults(dtype="auto")
 
     d = sub.add_parser("distill", help="let the backbone answer prompts itself (resumable)")
@@ -144,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--quantize-drafter", choices=QUANTIZATIONS, default="none", help=QUANTIZE_DRAFTER_HELP + "; "
                    "--alt-heads too")
     _add_runtime_args(b)
+    _add_compile_arg(b)
     e = sub.add_parser("export", help="write Medusa heads or an EAGLE or EAGLE-3 drafter in the layout a serving "
                        "engine reads")
     e.add_argument("--format", required=True, choices=["vllm", "medusa", "trtllm", "speculators"],
@@ -228,6 +238,7 @@ def _add_serve_command(sub) -> None:
     s.add_argument("--max-batch", type=int, default=8, help="queued requests decoded together at most; large "
                    "batches draft nothing (docs/serving.md)")
     _add_runtime_args(s)
+    _add_compile_arg(s)
     s.set_defaults(dtype="auto")  # generate's: the same answer from both
 
 
@@ -245,7 +256,8 @@ def _bench(args) -> None:
         raise MedusaError("`--alt-heads` takes LABEL=PATH.")
     alt_heads = dict(pair.split("=", 1) for pair in args.alt_heads)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
-                                        quantize=args.quantize, quantize_drafter=args.quantize_drafter)
+                                        quantize=args.quantize, quantize_drafter=args.quantize_drafter,
+                                        compile_step=_compile_step(args))
     tokenizer = _tokenizer(args, model)
     fp32 = None
     if model.backbone.dtype != torch.float32 and not args.no_fp32_reference:
@@ -258,6 +270,10 @@ def _bench(args) -> None:
     print(markdown(result))
     print(f"report: {args.out}/bench.json, bench.md, speedup_by_category.png, accepted_lengths.png, "
           "speedup_vs_tree_size.png")
+
+
+def _compile_step(args) -> bool | str:
+    return {"on": True, "off": False}.get(args.compile, args.compile)
 
 
 def _backbone_name(args, model) -> str:
@@ -297,7 +313,8 @@ def _generate(args) -> None:
         _generate_file(args, options, acceptance, by_batch, source)
         return
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
-                                        quantize=args.quantize, quantize_drafter=args.quantize_drafter)
+                                        quantize=args.quantize, quantize_drafter=args.quantize_drafter,
+                                        compile_step=_compile_step(args))
     tokenizer = _tokenizer(args, model)
     drafter = make_drafter(model, args.drafter, **options)
     if args.json:
@@ -365,7 +382,8 @@ def _generate_file(args, options: dict, acceptance, by_batch: bool, source: str 
         raise MedusaError("Sampling with --prompts-file needs --batch-size 1 (each answer its own random draws).")
     rows = read_bench_prompts(args.prompts_file)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
-                                        quantize=args.quantize, quantize_drafter=args.quantize_drafter)
+                                        quantize=args.quantize, quantize_drafter=args.quantize_drafter,
+                                        compile_step=_compile_step(args))
     tokenizer = _tokenizer(args, model)
     start, tokens = time.perf_counter(), 0
     for first in range(0, len(rows), args.batch_size):
@@ -463,7 +481,8 @@ def _serve(args) -> None:
     options = check_drafter_options(args.drafter, **{name: getattr(args, name) for name in OPTIONS})
     sock = listen(args.host, args.port)
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
-                                        quantize_drafter=args.quantize_drafter)
+                                        quantize_drafter=args.quantize_drafter,
+                                        compile_step=_compile_step(args))
     run_server(sock, model, _tokenizer(args, model), _backbone_name(args, model), args.drafter, options,
                args.acceptance, args.max_queue, args.max_batch, args.verbose)
 

@@ -1,0 +1,134 @@
+r"""
+The fast forward compiled for decoding steps: `FastLlama`'s own layer function under `torch.compile`, one graph
+per step size, the way vLLM's CPU backend compiles.
+
+Inductor turns the glue between the products (RMSNorm, the rotation, SiLU * up, the residual adds) into a few
+fused C++ loops; the products stay oneDNN's, over the weights `packing.py` already laid out, called through a
+small C++ operator (`csrc/packed_linear.cpp`) because a graph cannot take oneDNN's opaque packed tensors as inputs:
+the operator keeps them in a table and the graph holds an index. Keys and values are written at slots given as a
+tensor and the attention window is a dynamic size, so one graph serves every context length; `fullgraph=True`
+and static sizes otherwise, so nothing recompiles while decoding. On this project's 2-core Xeon with AMX that
+takes a bf16 token from 30 to 24 ms and a 14-node tree from 35 to 28 ms (docs/experiments.md).
+
+Compiling costs 20-30 s a step size on 2 cores; inductor caches what it made on disk (under the medusa-heads cache
+folder), so a later process takes about 5 s a size. The operator is built once into the same folder, which needs
+a C++ compiler; without one the eager `FastLlama` runs, which computes the same function, as it does for
+prompts.
+"""
+
+import copy
+import logging
+import os
+from pathlib import Path
+
+import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+from .backbone import cache_home, first_line
+from .fast_llama import FastLlama, FastLlamaLayer, Product
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "packed_linear.cpp"
+MAX_STEP_TOKENS = 64  # larger steps run eagerly
+MAX_GRAPHS = 8  # step sizes compiled at most (dynamo's own limit); trees that keep changing size run the rest eagerly
+
+
+def load_packed_linear() -> str | None:
+    """Make `torch.ops.medusa_heads.packed_linear` available, building it once into the cache folder; None when
+    it is, else why not (in words)."""
+    if hasattr(torch.ops.medusa_heads, "packed_linear"):
+        return None
+    from torch.utils.cpp_extension import load  # imported here: it looks for a compiler and ninja
+
+    folder = cache_home() / "ops" / f"torch-{torch.__version__}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        load(name="medusa_heads_ops", sources=[str(SOURCE)], build_directory=str(folder), is_python_module=False,
+             extra_cflags=["-O2"])
+    except (OSError, RuntimeError, ImportError, SystemExit) as err:  # no compiler, no ninja, no headers
+        return f"the packed-product operator could not be built ({first_line(err)})"
+    torch.library.register_fake("medusa_heads::packed_linear")(_packed_linear_shape)
+    return None
+
+
+def _packed_linear_shape(x: torch.Tensor, index: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def _use_our_inductor_cache() -> None:
+    """Inductor's disk cache in the medusa-heads cache folder (where it survives a reboot), unless the user chose
+    one. Inductor sets the variable itself when it first looks it up, to its default folder."""
+    if os.environ.get("TORCHINDUCTOR_CACHE_DIR", default_cache_dir()) == default_cache_dir():
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_home() / "inductor")
+
+
+class OpaqueProduct:
+    """A packed `Product` called through the C++ operator, which a compiled graph keeps as one call."""
+
+    def __init__(self, product: Product):
+        self.index = torch.ops.medusa_heads.keep_packed(product.packed)
+        self.out_features, self.bias = product.out_features, product.bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.medusa_heads.packed_linear(x, self.index, self.out_features, self.bias)
+
+    def __del__(self):
+        torch.ops.medusa_heads.release_packed(self.index)
+
+
+def _compilable(product):
+    return OpaqueProduct(product) if isinstance(product, Product) and product.packed is not None else product
+
+
+def why_not_compiled(fast: FastLlama) -> str | None:
+    """None where `CompiledLlama` can compile `fast`, else why not, in words."""
+    if any(getattr(layer, name).packed is not None for layer in fast.layers for name in FastLlamaLayer.PRODUCTS):
+        return load_packed_linear()
+    return None
+
+
+class CompiledLlama:
+    r"""
+    `fast`'s forward, compiled for decoding steps: the same function over the same weights (`FastLlama.decode` of
+    a copy whose packed products go through the C++ operator, then `fast`'s LM head over the rows kept), one graph
+    per step size, compiled on first use. Batches of several sequences, steps of more than `MAX_STEP_TOKENS` tokens
+    and sizes past `MAX_GRAPHS` run `fast` itself (`eager`), as prompts do (`backbone_forward`).
+    """
+
+    def __init__(self, fast: FastLlama):
+        self.eager = fast
+        twin = copy.copy(fast)
+        twin.layers = [layer.with_products(_compilable) for layer in fast.layers]
+        _use_our_inductor_cache()
+        # emulate_precision_casts: bf16 glue rounded where eager rounds it, so bf16 logits stay within a few units
+        # of eager's
+        self.graph = torch.compile(twin.decode, fullgraph=True, dynamic=False,
+                                   options={"emulate_precision_casts": True})
+        self.sizes: set[tuple[int, tuple[int, ...]]] = set()  # (tokens, layers tapped) compiled
+        self.failed = False
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: list,
+                slots: torch.Tensor, taps: tuple[int, ...] = (), logits_to_keep: int | torch.Tensor = 0
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`FastLlama.forward`."""
+        batch, tokens = input_ids.shape
+        size = (tokens, taps)
+        if (self.failed or batch > 1 or tokens > MAX_STEP_TOKENS
+                or (size not in self.sizes and len(self.sizes) == MAX_GRAPHS)):
+            return self.eager.forward(input_ids, positions, mask, kv, slots, taps, logits_to_keep)
+        if size not in self.sizes:
+            logger.info("Compiling the decoding step for %d-token forwards: 20-30 s once, then cached on disk "
+                        "under %s", tokens, os.environ["TORCHINDUCTOR_CACHE_DIR"])
+            self.sizes.add(size)
+        torch._dynamo.mark_dynamic(mask, 3)  # the window: one graph for every context length
+        for keys, values in kv:  # and for every cache size
+            torch._dynamo.mark_dynamic(keys, 2)
+            torch._dynamo.mark_dynamic(values, 2)
+        try:
+            hidden, features = self.graph(input_ids, positions, mask, kv, slots, taps)
+        except Exception as err:  # torch.compile's own errors have no common base; eager runs the same function
+            logger.warning("Compiling the decoding step failed, decoding eagerly from now on: %s", first_line(err))
+            self.failed = True
+            return self.eager.forward(input_ids, positions, mask, kv, slots, taps, logits_to_keep)
+        return self.eager.logits(hidden, logits_to_keep), features
