@@ -10,7 +10,8 @@ from .drafters.dynamic import AdaptiveDrafter, DynamicDrafter
 from .drafters.eagle import EagleDrafter
 from .drafters.heads import MedusaDrafter
 from .drafters.ngram import DynamicNgramDrafter, MedusaNgramDrafter, NgramDrafter, ngram_lookup
-from .generate import Generation, GenerationStats, Request, decode, generate, generate_batch, generate_ids, stream
+from .generate import (Generation, GenerationStats, Request, decode, generate, generate_batch, generate_ids, stream,
+                       warm_up)
 from .registry import ACCEPTANCE_RULES, DRAFTERS, heads_drafter, make_acceptance, make_drafter, make_drafters
 from .sampling import Warper
 
@@ -47,4 +48,5 @@ __all__ = [
     "make_drafters",
     "ngram_lookup",
     "stream",
+    "warm_up",
 ]

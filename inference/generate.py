@@ -8,8 +8,9 @@ from typing import Callable, Iterator, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from medusa_heads.backbone import backbone_forward
+from medusa_heads.backbone import FEATURE_LAYERS, backbone_forward
 from medusa_heads.errors import MedusaError
+from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers, canonical_tree
 
@@ -219,6 +220,29 @@ def _ranks_and_parents(paths: tuple) -> tuple[list[int], set[int]]:
     """Host-side view of a tree: the rank of each node and the nodes that have children."""
     index = {(): 0} | {p: i + 1 for i, p in enumerate(paths)}
     return [0] + [p[-1] for p in paths], {index[p[:-1]] for p in paths}
+
+
+def step_sizes(drafter: Drafter) -> set[int]:
+    """The tree sizes `drafter`'s steps verify: its tree, and its heads' own tree where an n-gram branch is added
+    only when it matches (trees grown each step have other sizes too)."""
+    heads = getattr(drafter, "heads", None)
+    return {drafter.tree.size} | ({heads.tree.size} if hasattr(heads, "tree") else set())
+
+
+def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = lambda _: None) -> None:
+    """Compile the backbone's step for the sizes `drafter` verifies, if it decodes through a compiled step
+    (`compiled_llama.py`), saying so through `say` first."""
+    from medusa_heads.compiled_llama import CompiledLlama  # it imports this package's cache module
+
+    step = getattr(model.backbone, FAST_FORWARD, None)
+    if not isinstance(step, CompiledLlama):
+        return
+    taps = getattr(model.backbone, FEATURE_LAYERS, ())
+    sizes = step.pending(step_sizes(drafter), taps)
+    if sizes:
+        say(f"compiling the decoding step for {', '.join(map(str, sizes))}-token steps: 20-30 s a size the first "
+            "time, then seconds from the disk cache")
+        step.warm_up(sizes, taps)
 
 
 def decode_step(model: MedusaModel, cache: TreeCache, rows: list[tuple[Drafter, Acceptance, DecodeState]],

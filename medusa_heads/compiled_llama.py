@@ -20,11 +20,13 @@ import copy
 import logging
 import os
 from pathlib import Path
+from typing import Iterable
 
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from .backbone import cache_home, first_line
+from .inference.cache import BUCKET, round_up
 from .fast_llama import FastLlama, FastLlamaLayer, Product
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,27 @@ class CompiledLlama:
         self.sizes: set[tuple[int, tuple[int, ...]]] = set()  # (tokens, layers tapped) compiled
         self.failed = False
 
+    def pending(self, sizes: Iterable[int], taps: tuple[int, ...] = ()) -> list[int]:
+        """Which of the step sizes `sizes` a forward would compile now."""
+        room = MAX_GRAPHS - len(self.sizes)
+        new = sorted({t for t in sizes if (t, taps) not in self.sizes and t <= MAX_STEP_TOKENS})
+        return [] if self.failed else new[:room]
+
+    def warm_up(self, sizes: Iterable[int], taps: tuple[int, ...] = ()) -> None:
+        """Compile the graphs of step sizes `sizes` now, with a step over scratch buffers, so that decoding starts
+        with them ready."""
+        weight = self.eager.embed.weight
+        first = self.eager.layers[0]
+        for tokens in self.pending(sizes, taps):
+            context = BUCKET
+            kv_shape = (1, first.kv_heads, round_up(context + tokens) + BUCKET, first.head_dim)
+            kv = [(weight.new_zeros(kv_shape), weight.new_zeros(kv_shape)) for _ in self.eager.layers]
+            slots = torch.arange(context, context + tokens, device=weight.device)
+            mask = torch.ones(1, 1, tokens, round_up(context + tokens), dtype=torch.bool, device=weight.device)
+            with torch.no_grad():
+                self.forward(torch.zeros(1, tokens, dtype=torch.long, device=weight.device), slots[None],
+                             mask.tril(context), kv, slots, taps)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: list,
                 slots: torch.Tensor, taps: tuple[int, ...] = (), logits_to_keep: int | torch.Tensor = 0
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +144,8 @@ class CompiledLlama:
             logger.info("Compiling the decoding step for %d-token forwards: 20-30 s once, then cached on disk "
                         "under %s", tokens, os.environ["TORCHINDUCTOR_CACHE_DIR"])
             self.sizes.add(size)
+        # A view of the cache's mask buffer has the strides of the largest tree seen: a new graph each time
+        mask = mask.contiguous()
         torch._dynamo.mark_dynamic(mask, 3)  # the window: one graph for every context length
         for keys, values in kv:  # and for every cache size
             torch._dynamo.mark_dynamic(keys, 2)

@@ -10,10 +10,11 @@ from torch._dynamo.utils import counters
 
 from medusa_heads import MedusaModel
 from medusa_heads import compiled_llama
-from medusa_heads.backbone import EMBEDDED_MODEL
+from medusa_heads.backbone import EMBEDDED_MODEL, backbone_forward
 from medusa_heads.compiled_llama import CompiledLlama
 from medusa_heads.fast_llama import FAST_FORWARD, FastLlama, FastLlamaLayer
 from medusa_heads.inference import generate_ids, make_drafter
+from medusa_heads.inference.cache import TreeCache
 from medusa_heads.tree import build_tree, load_tree
 
 from test_decoding import OracleDrafter  # noqa: E402  (pytest puts tests/ on sys.path)
@@ -64,6 +65,31 @@ def test_compiled_step_decodes_hf_greedy_without_recompiling():
     # one graph for the one step size, never one per window or cache size
     assert not getattr(compiled.backbone, FAST_FORWARD).failed
     assert counters["stats"]["unique_graphs"] - graphs == 1
+
+
+def test_steps_of_two_sizes_take_one_graph_each():
+    """Trees of two sizes in turn (the n-gram branch there one step, not the next) over one cache, as eager."""
+    compiled, eager = compiled_and_eager("llama")
+    trees = [build_tree(load_tree("chain-4")), build_tree(load_tree("cpu-8"))]  # the larger one second
+    prompt = torch.randint(0, 300, (1, 9), generator=torch.Generator().manual_seed(3))
+    caches = [TreeCache(model.backbone, 1, 64) for model in (compiled, eager)]
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.no_grad():
+        for model, cache in zip((compiled, eager), caches):
+            positions, mask = cache.prefill_inputs([prompt.shape[1]], prompt.shape[1])
+            backbone_forward(model.backbone, prompt, cache.cache, positions, mask, prompt=True)
+        for step in range(6):
+            tree = trees[step % 2]
+            tokens = torch.randint(0, 300, (1, tree.size), generator=torch.Generator().manual_seed(step))
+            outputs = []
+            for model, cache in zip((compiled, eager), caches):
+                positions, mask = cache.tree_inputs(tree)
+                outputs.append(backbone_forward(model.backbone, tokens, cache.cache, positions, mask))
+                cache.commit([[0, 1]])  # the root and its first child
+            for a, b in zip(*outputs):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert not getattr(compiled.backbone, FAST_FORWARD).failed
+    assert counters["stats"]["unique_graphs"] - graphs == 2
 
 
 def test_without_its_operator_the_step_runs_eagerly(monkeypatch, caplog):

@@ -12,6 +12,7 @@ import importlib.metadata
 import json
 import platform
 import statistics
+import sys
 import time
 import unittest.mock
 from collections import defaultdict
@@ -25,7 +26,8 @@ from tqdm import tqdm
 from medusa_heads.backbone import EMBEDDED_GGUF, _embedded_gguf_folder, load_backbone
 from medusa_heads.device import cpu_features, device_name
 from medusa_heads.errors import MedusaError, read_jsonl
-from medusa_heads.inference import GenerationStats, generate_ids, make_acceptance, make_drafter
+from medusa_heads.fast_llama import FAST_FORWARD
+from medusa_heads.inference import GenerationStats, generate_ids, make_acceptance, make_drafter, warm_up
 from medusa_heads.inference.generate import encode_prompt, eos_token_ids
 from medusa_heads.inference.registry import ACCEPTANCE_RULES, DRAFTERS, INT_OPTIONS, check_drafter_options
 from medusa_heads.model import MedusaModel, load_heads
@@ -165,6 +167,7 @@ def drafter_method(name: str, options: dict, drafts: DraftModels, sampling: tupl
         draft = drafts.get(options["draft_model"], model) if "draft_model" in options else None
         if id(model) not in drafters:
             drafters[id(model)] = make_drafter(model, name, **{**options, **({"draft_model": draft} if draft else {})})
+            warm_up(model, drafters[id(model)], say=lambda line: print(line, file=sys.stderr, flush=True))
         drafter = drafters[id(model)]
         stats = GenerationStats()
         eos = eos_token_ids(model, None)
@@ -311,6 +314,7 @@ def fingerprint(model, methods: list[str]) -> dict:
             "python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "threads": torch.get_num_threads(), "dtype": str(model.backbone.dtype), "device": str(model.device),
             "quantize": quantization_of(model.backbone), "quantize_drafter": draft_weights_quantization(model),
+            "forward": type(getattr(model.backbone, FAST_FORWARD, model.backbone)).__name__,
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "llama_cpp": importlib.metadata.version("llama-cpp-python") if llama_cpp else None}
 

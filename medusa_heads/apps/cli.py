@@ -294,7 +294,7 @@ def _tokenizer(args, model):
 
 
 def _generate(args) -> None:
-    from medusa_heads.inference import GenerationStats, generate, make_acceptance, make_drafter, stream
+    from medusa_heads.inference import GenerationStats, generate, make_acceptance, make_drafter, stream, warm_up
     from medusa_heads.inference.registry import OPTIONS, check_drafter_options
     from medusa_heads.model import MedusaModel
 
@@ -317,6 +317,7 @@ def _generate(args) -> None:
                                         compile_step=_compile_step(args))
     tokenizer = _tokenizer(args, model)
     drafter = make_drafter(model, args.drafter, **options)
+    warm_up(model, drafter, say=lambda line: print(line, file=sys.stderr, flush=True))
     if args.json:
         result = generate(model, tokenizer, args.prompt, drafter, acceptance, args.max_new_tokens, args.stop, args.raw)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, **result.stats.as_dict(),
@@ -467,6 +468,7 @@ def _follow_ups(args) -> None:
 
 
 def _serve(args) -> None:
+    from medusa_heads.inference import make_drafter, warm_up
     from medusa_heads.inference.registry import OPTIONS, check_drafter_options
     from medusa_heads.model import MedusaModel
 
@@ -483,6 +485,8 @@ def _serve(args) -> None:
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
                                         quantize_drafter=args.quantize_drafter,
                                         compile_step=_compile_step(args))
+    warm_up(model, make_drafter(model, args.drafter, **options),
+            say=lambda line: print(line, file=sys.stderr, flush=True))
     run_server(sock, model, _tokenizer(args, model), _backbone_name(args, model), args.drafter, options,
                args.acceptance, args.max_queue, args.max_batch, args.verbose)
 
