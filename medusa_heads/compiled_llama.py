@@ -19,6 +19,7 @@ prompts.
 import copy
 import logging
 import os
+import weakref
 from pathlib import Path
 from typing import Iterable
 
@@ -71,12 +72,10 @@ class OpaqueProduct:
     def __init__(self, product: Product):
         self.index = torch.ops.medusa_heads.keep_packed(product.packed)
         self.out_features, self.bias = product.out_features, product.bias
+        weakref.finalize(self, torch.ops.medusa_heads.release_packed, self.index)  # the table holds it till then
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.medusa_heads.packed_linear(x, self.index, self.out_features, self.bias)
-
-    def __del__(self):
-        torch.ops.medusa_heads.release_packed(self.index)
 
 
 def _compilable(product):
@@ -144,8 +143,9 @@ class CompiledLlama:
             logger.info("Compiling the decoding step for %d-token forwards: 20-30 s once, then cached on disk "
                         "under %s", tokens, os.environ["TORCHINDUCTOR_CACHE_DIR"])
             self.sizes.add(size)
-        # A view of the cache's mask buffer has the strides of the largest tree seen: a new graph each time
-        mask = mask.contiguous()
+        # A view of the cache's mask buffer has the strides of the largest tree seen (`contiguous` keeps those of
+        # its dimensions of size 1): a copy of standard strides, or a new graph each time they change
+        mask = mask.clone(memory_format=torch.contiguous_format)
         torch._dynamo.mark_dynamic(mask, 3)  # the window: one graph for every context length
         for keys, values in kv:  # and for every cache size
             torch._dynamo.mark_dynamic(keys, 2)
