@@ -9,6 +9,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from medusa_heads.backbone import FEATURE_LAYERS, backbone_forward
+from medusa_heads.compiled_llama import CompiledLlama
 from medusa_heads.errors import MedusaError
 from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.model import MedusaModel
@@ -232,8 +233,6 @@ def step_sizes(drafter: Drafter) -> set[int]:
 def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = lambda _: None) -> None:
     """Compile the backbone's step for the sizes `drafter` verifies, if it decodes through a compiled step
     (`compiled_llama.py`), saying so through `say` first."""
-    from medusa_heads.compiled_llama import CompiledLlama  # it imports this package's cache module
-
     step = getattr(model.backbone, FAST_FORWARD, None)
     if not isinstance(step, CompiledLlama):
         return

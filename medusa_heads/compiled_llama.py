@@ -25,10 +25,10 @@ from typing import Iterable
 
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from transformers import PreTrainedModel
 
 from .backbone import cache_home, first_line
-from .inference.cache import BUCKET, round_up
-from .fast_llama import FastLlama, FastLlamaLayer, Product
+from .fast_llama import FAST_FORWARD, FastLlama, FastLlamaLayer, Product
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +121,12 @@ class CompiledLlama:
         weight = self.eager.embed.weight
         first = self.eager.layers[0]
         for tokens in self.pending(sizes, taps):
-            context = BUCKET
-            kv_shape = (1, first.kv_heads, round_up(context + tokens) + BUCKET, first.head_dim)
+            context = 16  # any context: the window and the cache's size are dynamic in the graph
+            window = context + tokens
+            kv_shape = (1, first.kv_heads, 2 * window, first.head_dim)  # longer than the window, as a cache is
             kv = [(weight.new_zeros(kv_shape), weight.new_zeros(kv_shape)) for _ in self.eager.layers]
-            slots = torch.arange(context, context + tokens, device=weight.device)
-            mask = torch.ones(1, 1, tokens, round_up(context + tokens), dtype=torch.bool, device=weight.device)
+            slots = torch.arange(context, window, device=weight.device)
+            mask = torch.ones(1, 1, tokens, window, dtype=torch.bool, device=weight.device)
             with torch.no_grad():
                 self.forward(torch.zeros(1, tokens, dtype=torch.long, device=weight.device), slots[None],
                              mask.tril(context), kv, slots, taps)
@@ -157,3 +158,15 @@ class CompiledLlama:
             self.failed = True
             return self.eager.forward(input_ids, positions, mask, kv, slots, taps, logits_to_keep)
         return self.eager.logits(hidden, logits_to_keep), features
+
+
+def compile_fast_forward(backbone: PreTrainedModel) -> bool:
+    """Decode `backbone`, which `fast_llama.enable_fast_forward` set up, through a `CompiledLlama`; returns whether
+    it does (where it cannot, it says why in one logged line and keeps the eager `FastLlama`)."""
+    fast = getattr(backbone, FAST_FORWARD)
+    why_not = why_not_compiled(fast)
+    if why_not is not None:
+        logger.warning("Decoding without compiling: %s.", why_not)
+        return False
+    setattr(backbone, FAST_FORWARD, CompiledLlama(fast))
+    return True

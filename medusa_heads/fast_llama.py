@@ -18,7 +18,6 @@ token against HF `generate` in fp32, and its logits against the modules' for eac
 """
 
 import copy
-import logging
 from typing import Callable
 
 import torch
@@ -27,8 +26,6 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .packing import PackedLinear, SiblingLinear, packed_product
-
-logger = logging.getLogger(__name__)
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rotary angles that depend on the position alone
@@ -225,19 +222,9 @@ class FastLlama:
         return self.lm_head(hidden[:, keep])
 
 
-def enable_fast_forward(backbone: PreTrainedModel, compile_step: bool = False) -> bool:
-    """Decode `backbone` through `FastLlama` where it `supports` it, compiled (`compiled_llama.CompiledLlama`) if
-    `compile_step` and it can be; returns whether it decodes through `FastLlama`."""
+def enable_fast_forward(backbone: PreTrainedModel) -> bool:
+    """Decode `backbone` through `FastLlama` where it `supports` it; returns whether it does."""
     if supports(backbone) is not None:
         return False
-    fast = FastLlama(backbone)
-    if compile_step:
-        from .compiled_llama import CompiledLlama, why_not_compiled  # it imports backbone.py, which imports this
-
-        why_not = why_not_compiled(fast)
-        if why_not is None:
-            fast = CompiledLlama(fast)
-        else:
-            logger.warning("Decoding without compiling: %s.", why_not)
-    setattr(backbone, FAST_FORWARD, fast)
+    setattr(backbone, FAST_FORWARD, FastLlama(backbone))
     return True

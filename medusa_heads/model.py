@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from .attention import use_tree_gqa_attention
 from .backbone import EMBEDDED_MODEL, first_line, load_backbone, parse_dtype, tap_features
+from .compiled_llama import compile_fast_forward
 from .config import MedusaConfig
 from .errors import MedusaError
 from .fast_llama import enable_fast_forward
@@ -354,6 +355,7 @@ class MedusaModel(nn.Module):
             fuse_siblings(model.backbone, partial(_trial_logits, model.backbone))
         if compile_step == "auto":
             compile_step = dtype == torch.bfloat16 and torch.device(device).type == "cpu"
-        if fast_forward:
-            enable_fast_forward(model.backbone, compile_step)  # after packing: it computes with the packed weights
+        # after packing: it computes with the packed weights
+        if fast_forward and enable_fast_forward(model.backbone) and compile_step:
+            compile_fast_forward(model.backbone)
         return model
