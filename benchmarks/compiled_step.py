@@ -46,7 +46,7 @@ def main() -> None:
     if not isinstance(compiled, CompiledLlama):
         raise SystemExit("The step did not compile here (see the warning above).")
     eager = compiled.eager
-    kv_shape = (1, config.num_key_value_heads, 1024, config.hidden_size // config.num_attention_heads)
+    kv_shape = (1, eager.layers[0].kv_heads, 1024, eager.layers[0].head_dim)
     kv = [(torch.zeros(kv_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype)) for _ in eager.layers]
     print(f"{args.dtype}, {args.threads} threads, context {args.context}")
     print("| step size | first call (s) | graphs for another context | compiled ms | eager ms | eager / compiled "

@@ -222,9 +222,8 @@ def _fast_forward(fast, backbone: PreTrainedModel, input_ids: torch.Tensor, cach
     """`backbone_forward` through the backbone's `FastLlama`, over a tree cache's static layers."""
     layers = cache.layers
     if not layers[0].is_initialized:  # allocate the static buffers as the layers' first update would
-        config = backbone.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (input_ids.shape[0], config.num_key_value_heads, 0, head_dim)
+        first = getattr(fast, "eager", fast).layers[0]  # a `CompiledLlama`'s layers are its eager forward's
+        shape = (input_ids.shape[0], first.kv_heads, 0, first.head_dim)
         empty = torch.empty(shape, dtype=backbone.dtype, device=input_ids.device)
         for layer in layers:
             layer.lazy_initialization(empty, empty)

@@ -8,7 +8,7 @@ small C++ operator (`csrc/packed_linear.cpp`) because a graph cannot take oneDNN
 the operator keeps them in a table and the graph holds an index. Keys and values are written at slots given as a
 tensor and the attention window is a dynamic size, so one graph serves every context length; `fullgraph=True`
 and static sizes otherwise, so nothing recompiles while decoding. On this project's 2-core Xeon with AMX that
-takes a bf16 token from 30 to 24 ms and a 14-node tree from 35 to 28 ms (docs/experiments.md).
+takes a bf16 forward of 1 token from 26.0 to 21.3 ms and of 14 from 31.8 to 25.3 ms (docs/experiments.md).
 
 Compiling costs 20-30 s a step size on 2 cores; inductor caches what it made on disk (under the medusa-heads cache
 folder), so a later process takes about 5 s a size. The operator is built once into the same folder, which needs
