@@ -111,6 +111,11 @@ def test_prompt_longer_than_the_context(cli):
     assert_clean_error(cli("generate", "--prompt", "word " * 9000), "exceed the model's context of 8192")
 
 
+def test_a_bad_compile_setting_in_the_environment_is_one_line(cli, monkeypatch):
+    monkeypatch.setenv("MEDUSA_HEADS_COMPILE", "yes")  # the default comes from the environment, unchecked by argparse
+    assert_clean_error(cli("generate", "--prompt", "hi"), "MEDUSA_HEADS_COMPILE must be one of auto, on, off")
+
+
 def test_bad_options(cli):
     assert_clean_error(cli("generate", "--prompt", "hi", "--dtype", "float8"), "Unknown dtype")
     assert_clean_error(cli("generate", "--prompt", "hi", "--device", "tpu:x"), "Unknown device")

@@ -31,8 +31,11 @@ def _add_runtime_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, help="CPU threads for torch (default: all cores)")
 
 
+COMPILE_CHOICES = ("auto", "on", "off")
+
+
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--compile", choices=["auto", "on", "off"], default=os.environ.get("MEDUSA_HEADS_COMPILE", "auto"),
+    p.add_argument("--compile", choices=COMPILE_CHOICES, default=os.environ.get("MEDUSA_HEADS_COMPILE", "auto"),
                    help="decode a Llama-family backbone through the compiled step (20-30 s a step size the first "
                    "time, then cached on disk); auto: on a CPU computing in bf16 (default: auto, or the "
                    "MEDUSA_HEADS_COMPILE environment variable)")
@@ -273,6 +276,8 @@ def _bench(args) -> None:
 
 
 def _compile_step(args) -> bool | str:
+    if args.compile not in COMPILE_CHOICES:  # argparse checks a given value, not a default from the environment
+        raise MedusaError(f"MEDUSA_HEADS_COMPILE must be one of {', '.join(COMPILE_CHOICES)}, got {args.compile!r}.")
     return {"on": True, "off": False}.get(args.compile, args.compile)
 
 
