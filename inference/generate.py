@@ -232,16 +232,23 @@ def step_sizes(drafter: Drafter) -> set[int]:
 
 def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = lambda _: None) -> None:
     """Compile the backbone's step for the sizes `drafter` verifies, if it decodes through a compiled step
-    (`compiled_llama.py`), saying so through `say` first."""
+    (`compiled_llama.py`), and the drafting of its trees where it compiles that (`Eagle3TreeDrafter`), saying so
+    through `say` first."""
     step = getattr(model.backbone, FAST_FORWARD, None)
     if not isinstance(step, CompiledLlama):
         return
     taps = getattr(model.backbone, FEATURE_LAYERS, ())
     sizes = step.pending(step_sizes(drafter), taps)
-    if sizes:
-        say(f"compiling the decoding step for {', '.join(map(str, sizes))}-token steps: 20-30 s a size the first "
-            "time, then seconds from the disk cache")
+    heads = getattr(drafter, "heads", drafter)  # a drafter that compiles its own steps, or holds one that does
+    trees = heads.pending({drafter.tree.paths: drafter.tree, heads.tree.paths: heads.tree}.values()) \
+        if hasattr(heads, "pending") else []
+    what = ([f"the decoding step for {', '.join(map(str, sizes))}-token steps"] if sizes else []) + \
+        ([f"the drafting of {len(trees)} tree{'s' * (len(trees) > 1)}"] if trees else [])
+    if what:
+        say(f"compiling {' and '.join(what)}: 20-30 s a graph the first time, then seconds from the disk cache")
         step.warm_up(sizes, taps)
+        if trees:
+            heads.warm_up(trees)
 
 
 def decode_step(model: MedusaModel, cache: TreeCache, rows: list[tuple[Drafter, Acceptance, DecodeState]],

@@ -16,6 +16,7 @@ import torch
 
 from medusa_heads.backbone import load_backbone
 from medusa_heads.errors import MedusaError, read_json
+from medusa_heads.fast_eagle3 import fast_eagle3_supports
 from medusa_heads.model import MedusaModel
 from medusa_heads.ngram_store import STORE_FILE, NgramStore
 from medusa_heads.tree import TreeBuffers, build_tree, load_tree
@@ -25,6 +26,7 @@ from .draft import Acceptance, Drafter
 from .drafters.draft_model import DraftModelDrafter, EarlyExitDrafter
 from .drafters.dynamic import AdaptiveDrafter, DynamicDrafter
 from .drafters.eagle import EagleDrafter
+from .drafters.eagle3_tree import Eagle3TreeDrafter
 from .drafters.heads import MedusaDrafter
 from .drafters.ngram import DynamicNgramDrafter, MedusaNgramDrafter, NgramDrafter
 from .drafters.plain import PlainDrafter
@@ -138,8 +140,10 @@ def default_configuration(dtype: torch.dtype, batch_size: int = 1,
     return Configuration(*default_drafter(dtype, batch_size))
 
 
-def heads_drafter(model: MedusaModel, tree: TreeBuffers) -> MedusaDrafter | EagleDrafter:
+def heads_drafter(model: MedusaModel, tree: TreeBuffers) -> MedusaDrafter | EagleDrafter | Eagle3TreeDrafter:
     """The drafter for the model's own heads on a static tree, by what the heads can do."""
+    if fast_eagle3_supports(model.heads):
+        return Eagle3TreeDrafter(model, tree)
     return EagleDrafter(model, tree) if model.heads.drafts_over_context else MedusaDrafter(model, tree)
 
 

@@ -78,13 +78,23 @@ class OpaqueProduct:
         return torch.ops.medusa_heads.packed_linear(x, self.index, self.out_features, self.bias)
 
 
-def _compilable(product):
+def compilable(product):
+    """A product a compiled graph can call: a packed `Product` as an `OpaqueProduct`, anything else as it is."""
     return OpaqueProduct(product) if isinstance(product, Product) and product.packed is not None else product
 
 
-def why_not_compiled(fast: FastLlama) -> str | None:
-    """None where `CompiledLlama` can compile `fast`, else why not, in words."""
-    if any(getattr(layer, name).packed is not None for layer in fast.layers for name in FastLlamaLayer.PRODUCTS):
+def compile_step(function):
+    """`function` compiled as the decoding steps are: one graph, no Python in it, static shapes but those marked
+    dynamic, glue rounded where eager rounds it."""
+    _use_our_inductor_cache()
+    # emulate_precision_casts: bf16 glue rounded where eager rounds it, so bf16 logits stay within a few units
+    # of eager's
+    return torch.compile(function, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+
+
+def why_not_compiled(products: Iterable) -> str | None:
+    """None where a graph can call each of `products`, else why not, in words."""
+    if any(isinstance(p, Product) and p.packed is not None for p in products):
         return load_packed_linear()
     return None
 
@@ -100,12 +110,8 @@ class CompiledLlama:
     def __init__(self, fast: FastLlama):
         self.eager = fast
         twin = copy.copy(fast)
-        twin.layers = [layer.with_products(_compilable) for layer in fast.layers]
-        _use_our_inductor_cache()
-        # emulate_precision_casts: bf16 glue rounded where eager rounds it, so bf16 logits stay within a few units
-        # of eager's
-        self.graph = torch.compile(twin.decode, fullgraph=True, dynamic=False,
-                                   options={"emulate_precision_casts": True})
+        twin.layers = [layer.with_products(compilable) for layer in fast.layers]
+        self.graph = compile_step(twin.decode)
         self.sizes: set[tuple[int, tuple[int, ...]]] = set()  # (tokens, layers tapped) compiled
         self.failed = False
 
@@ -164,7 +170,7 @@ def compile_fast_forward(backbone: PreTrainedModel) -> bool:
     """Decode `backbone`, which `fast_llama.enable_fast_forward` set up, through a `CompiledLlama`; returns whether
     it does (where it cannot, it says why in one logged line and keeps the eager `FastLlama`)."""
     fast = getattr(backbone, FAST_FORWARD)
-    why_not = why_not_compiled(fast)
+    why_not = why_not_compiled(getattr(layer, name) for layer in fast.layers for name in FastLlamaLayer.PRODUCTS)
     if why_not is not None:
         logger.warning("Decoding without compiling: %s.", why_not)
         return False

@@ -59,6 +59,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x, weight.shape, eps=eps)
 
 
+def rotary_tables(rotary_emb: nn.Module, size: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [size, D] of positions 0..size-1 in `like`'s dtype and device, as transformers' own
+    rotary module computes the angles (with its scaling): rotate_half(x) * sin = roll(x, D / 2) * signed_sin, the
+    first half of the sines negated."""
+    cos, sin = rotary_emb(like[:1], torch.arange(size, device=like.device)[None])
+    half = cos.shape[-1] // 2
+    return cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+
+
 def _attention_projections(layer: nn.Module) -> list[nn.Linear]:
     return [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj]
 
@@ -81,16 +90,32 @@ class Product:
         return packed_product(x, self.packed, self.bias)
 
 
-def product(module: nn.Linear) -> Product:
-    """A linear layer's product, called without the module (its packed weight directly where it has one)."""
+def product(module: nn.Module) -> Product | nn.Module:
+    """A linear layer's product, called without the module (its packed weight directly where it has one); any
+    other layer (a quantized one, a member of a fused group) is called as it is."""
+    if type(module) not in (nn.Linear, PackedLinear):
+        return module
     bias = None if module.bias is None else module.bias.detach()
-    if type(module) in (PackedLinear, SiblingLinear):
+    if type(module) is PackedLinear:
         return Product(module.out_features, bias, packed=module.packed)
     return Product(module.out_features, bias, weight=module.weight.detach())
 
 
-def stacked_product(members: list[nn.Linear]) -> Product:
+class Concatenated:
+    """Layers that cannot be stacked into one product (quantized ones: each calls its own kernel), called one after
+    the other, their outputs side by side."""
+
+    def __init__(self, members: list[nn.Module]):
+        self.members = members
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([m(x) for m in self.members], dim=-1)
+
+
+def stacked_product(members: list[nn.Module]) -> Product | Concatenated:
     """Sibling linear layers as one product whose output holds theirs side by side, over their own weights."""
+    if any(type(m) not in (nn.Linear, PackedLinear, SiblingLinear) for m in members):
+        return Concatenated(members)
     siblings = getattr(members[0], "siblings", None)
     biases = [m.bias for m in members]
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
@@ -137,11 +162,17 @@ class FastLlamaLayer:
                  values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         # x: [B, T, H]; cos, sin: [B, T, 1, D]; keys, values: [B, H_kv, S, D], written at `slots` [T];
         # mask [B, 1, T, window]: attention reads the first `window` slots
+        weight, eps = self.norms[0]
+        return self.block(rms_norm(x, weight, eps), x, cos, sin, keys, values, slots, mask)
+
+    def block(self, normed: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The layer after its input norm: attention over `normed` [B, T, H'] added to the residual stream `x`
+        [B, T, H], then the MLP (an EAGLE-3 drafter's attention reads more than its residual stream)."""
         B, T, _ = x.shape
         window = mask.shape[-1]
         D, Hq, Hkv = self.head_dim, self.heads, self.kv_heads
-        weight, eps = self.norms[0]
-        qkv = self.qkv(rms_norm(x, weight, eps)).view(B, T, Hq + 2 * Hkv, D)
+        qkv = self.qkv(normed).view(B, T, Hq + 2 * Hkv, D)
         qk, v = qkv[:, :, : Hq + Hkv], qkv[:, :, Hq + Hkv :]
         if self.qk_norm is not None:
             (wq, eps_q), (wk, eps_k) = self.qk_norm
@@ -177,13 +208,8 @@ class FastLlama:
         self.layers = [FastLlamaLayer(layer, config) for layer in decoder.layers[: config.num_hidden_layers]]
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
         head = backbone.lm_head
-        self.lm_head = product(head) if type(head) in (nn.Linear, PackedLinear) else head
-        # The rotary angles of every position, as transformers' own rotary module computes them (with its scaling)
-        positions = torch.arange(config.max_position_embeddings, device=backbone.device)[None]
-        cos, sin = decoder.rotary_emb(self.embed.weight[:1], positions)
-        half = cos.shape[-1] // 2
-        # rotate_half(x) * sin = roll(x, D / 2) * signed_sin: the first half of the angles' sines negated
-        self.cos, self.sin = cos[0], torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)  # [P, D], model dtype
+        self.lm_head = product(head)
+        self.cos, self.sin = rotary_tables(decoder.rotary_emb, config.max_position_embeddings, self.embed.weight)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, T, 1, D] at `positions` [B, T]."""
