@@ -88,8 +88,10 @@ def compile_step(function):
     dynamic, glue rounded where eager rounds it."""
     _use_our_inductor_cache()
     # emulate_precision_casts: bf16 glue rounded where eager rounds it, so bf16 logits stay within a few units
-    # of eager's
-    return torch.compile(function, fullgraph=True, dynamic=False, options={"emulate_precision_casts": True})
+    # of eager's. cpp_wrapper: the graph's calls made from C++, not from a Python function of a thousand lines
+    # (a bf16 forward of SmolLM2-135M 7-9% faster on this project's CPU)
+    return torch.compile(function, fullgraph=True, dynamic=False,
+                         options={"emulate_precision_casts": True, "cpp_wrapper": True})
 
 
 def why_not_compiled(products: Iterable) -> str | None:
