@@ -8,6 +8,7 @@ from .draft import Accepted, DecodeState, Draft, Drafter
 from .drafters.draft_model import DraftModelDrafter, EarlyExitDrafter
 from .drafters.dynamic import AdaptiveDrafter, DynamicDrafter
 from .drafters.eagle import EagleDrafter
+from .drafters.eagle3_tree import Eagle3TreeDrafter
 from .drafters.heads import MedusaDrafter
 from .drafters.ngram import DynamicNgramDrafter, MedusaNgramDrafter, NgramDrafter, ngram_lookup
 from .generate import (Generation, GenerationStats, Request, decode, generate, generate_batch, generate_ids, stream,
@@ -26,6 +27,7 @@ __all__ = [
     "Drafter",
     "DynamicDrafter",
     "DynamicNgramDrafter",
+    "Eagle3TreeDrafter",
     "EagleDrafter",
     "EarlyExitDrafter",
     "ExactAcceptance",

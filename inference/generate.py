@@ -245,7 +245,7 @@ def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = l
     what = ([f"the decoding step for {', '.join(map(str, sizes))}-token steps"] if sizes else []) + \
         ([f"the drafting of {len(trees)} tree{'s' * (len(trees) > 1)}"] if trees else [])
     if what:
-        say(f"compiling {' and '.join(what)}: 20-30 s a graph the first time, then seconds from the disk cache")
+        say(f"compiling {' and '.join(what)}: about 40 s a graph the first time, then seconds from the disk cache")
         step.warm_up(sizes, taps)
         if trees:
             heads.warm_up(trees)

@@ -10,7 +10,7 @@ tensor and the attention window is a dynamic size, so one graph serves every con
 and static sizes otherwise, so nothing recompiles while decoding. On this project's 2-core Xeon with AMX that
 takes a bf16 forward of 1 token from 26.0 to 21.3 ms and of 14 from 31.8 to 25.3 ms (docs/experiments.md).
 
-Compiling costs 20-30 s a step size on 2 cores; inductor caches what it made on disk (under the medusa-heads cache
+Compiling costs about 40 s a step size on 2 cores; inductor caches what it made on disk (under the medusa-heads cache
 folder), so a later process takes about 5 s a size. The operator is built once into the same folder, which needs
 a C++ compiler; without one the eager `FastLlama` runs, which computes the same function, as it does for
 prompts.
@@ -83,6 +83,16 @@ def compilable(product):
     return OpaqueProduct(product) if isinstance(product, Product) and product.packed is not None else product
 
 
+def call_graph(graph, ready: bool, *args):
+    """`graph(*args)`; once it has run for inputs like these (`ready`: no new graph can be needed), checking only the
+    guards that tell its graphs apart instead of every guard on every input (about a millisecond a call of the
+    30-layer step on this project's CPU)."""
+    if not ready:
+        return graph(*args)
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        return graph(*args)
+
+
 def compile_step(function):
     """`function` compiled as the decoding steps are: one graph, no Python in it, static shapes but those marked
     dynamic, glue rounded where eager rounds it."""
@@ -114,7 +124,7 @@ class CompiledLlama:
         twin = copy.copy(fast)
         twin.layers = [layer.with_products(compilable) for layer in fast.layers]
         self.graph = compile_step(twin.decode)
-        self.sizes: set[tuple[int, tuple[int, ...]]] = set()  # (tokens, layers tapped) compiled
+        self.sizes: set[tuple[int, tuple[int, ...]]] = set()  # (tokens, layers tapped) compiled and run
         self.failed = False
 
     def pending(self, sizes: Iterable[int], taps: tuple[int, ...] = ()) -> list[int]:
@@ -148,10 +158,10 @@ class CompiledLlama:
         if (self.failed or batch > 1 or tokens > MAX_STEP_TOKENS
                 or (size not in self.sizes and len(self.sizes) == MAX_GRAPHS)):
             return self.eager.forward(input_ids, positions, mask, kv, slots, taps, logits_to_keep)
-        if size not in self.sizes:
-            logger.info("Compiling the decoding step for %d-token forwards: 20-30 s once, then cached on disk "
-                        "under %s", tokens, os.environ["TORCHINDUCTOR_CACHE_DIR"])
-            self.sizes.add(size)
+        ready = size in self.sizes
+        if not ready:
+            logger.info("Compiling the decoding step for %d-token forwards: under a minute once, then cached on "
+                        "disk under %s", tokens, os.environ["TORCHINDUCTOR_CACHE_DIR"])
         # A view of the cache's mask buffer has the strides of the largest tree seen (`contiguous` keeps those of
         # its dimensions of size 1): a copy of standard strides, or a new graph each time they change
         mask = mask.clone(memory_format=torch.contiguous_format)
@@ -160,11 +170,12 @@ class CompiledLlama:
             torch._dynamo.mark_dynamic(keys, 2)
             torch._dynamo.mark_dynamic(values, 2)
         try:
-            hidden, features = self.graph(input_ids, positions, mask, kv, slots, taps)
+            hidden, features = call_graph(self.graph, ready, input_ids, positions, mask, kv, slots, taps)
         except Exception as err:  # torch.compile's own errors have no common base; eager runs the same function
             logger.warning("Compiling the decoding step failed, decoding eagerly from now on: %s", first_line(err))
             self.failed = True
             return self.eager.forward(input_ids, positions, mask, kv, slots, taps, logits_to_keep)
+        self.sizes.add(size)
         return self.eager.logits(hidden, logits_to_keep), features
 
 

@@ -318,7 +318,7 @@ class MedusaModel(nn.Module):
                 their draft-vocabulary projection; CPU only). Lossless: only the drafts change, the backbone verifies.
             fast_forward: decode a Llama-family backbone through `fast_llama.FastLlama` (the same function in fewer
                 operations) instead of its modules; other architectures keep the modules whatever this says.
-            compile_step: decode through the fast forward compiled (`compiled_llama.py`: 20-30 s a step size the
+            compile_step: decode through the fast forward compiled (`compiled_llama.py`: about 40 s a step size the
                 first time, then cached on disk; 1.2-1.3x faster steps on CPU). `auto`: where it pays, a CPU
                 computing in bf16 (`parse_dtype`). fp32 steps compile too; their logits differ from the eager
                 forward's in the last digits (about 1e-3), and greedy output matched HF's on the prompts tested.

@@ -17,7 +17,7 @@ from oracle import hf_greedy  # noqa: E402  (pytest puts tests/ on sys.path)
 MEDUSA_HEADS = SHIPPED_HEADS[EMBEDDED_MODEL].parent / "smollm2-135m-embedded-medusa"
 
 torch.set_num_threads(max(torch.get_num_threads(), 1))
-# The CLI's tests decode eagerly: compiling costs 20-30 s a step size (tests/test_compiled_llama.py tests it)
+# The CLI's tests decode eagerly: compiling costs about 40 s a step size (tests/test_compiled_llama.py tests it)
 os.environ.setdefault("MEDUSA_HEADS_COMPILE", "off")
 
 # Fixtures of this file that load the real SmolLM2 model: a test using one (directly or through another fixture)

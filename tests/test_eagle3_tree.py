@@ -91,3 +91,20 @@ def test_decoding_through_compiled_drafting_is_hf_greedy_in_the_same_steps(tiny,
         reference = MedusaNgramDrafter(EagleDrafter(model, drafter.heads.tree), ngram_length=4)
         decode(model, prompt, reference, max_new_tokens=48, stats=theirs)
         assert ours.accepted_lengths == theirs.accepted_lengths and ours.steps > 1
+
+
+@needs_compiler
+def test_drafting_that_fails_to_compile_drafts_eagerly(tiny, tmp_path, monkeypatch, caplog):
+    def failing(function):
+        def call(*args):
+            raise RuntimeError("inductor could not compile this\nsecond line")
+        return call
+
+    monkeypatch.setattr("medusa_heads.inference.drafters.eagle3_tree.compile_step", failing)
+    model = compiled_twin(tiny, tmp_path)
+    tree, _ = trees(tmp_path)
+    ours, theirs = Eagle3TreeDrafter(model, tree), EagleDrafter(model, tree)
+    for state in states(model.config.hidden_size * 3, [20, 2, 3]):
+        assert torch.equal(ours.fill(state, tree), theirs.fill(state, tree))
+    assert ours.drafts.compiled is None
+    assert "drafting eagerly from now on: inductor could not compile this" in caplog.text

@@ -13,12 +13,12 @@ the prompt (more rows) runs the same function eagerly.
 import logging
 import weakref
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 
 from medusa_heads.backbone import first_line
-from medusa_heads.compiled_llama import CompiledLlama, compilable, compile_step, why_not_compiled
+from medusa_heads.compiled_llama import CompiledLlama, call_graph, compilable, compile_step, why_not_compiled
 from medusa_heads.errors import MedusaError
 from medusa_heads.fast_eagle3 import FastEagle3, fast_eagle3_supports
 from medusa_heads.fast_llama import FAST_FORWARD
@@ -118,17 +118,17 @@ class TreeDrafts:
     the model's drafters, so graphs are compiled once per process."""
 
     def __init__(self, model: MedusaModel):
-        self.fast = FastEagle3(model.heads, model.backbone.get_input_embeddings())
+        fast = self.fast = FastEagle3(model.heads, model.backbone.get_input_embeddings())
         self.eager: dict[tuple, TreeDraft] = {}
-        self.graphs: dict[tuple, object] = {}
-        why_not = "the backbone's step is not compiled"
+        self.graphs: dict[tuple, Callable] = {}
+        self.ready: set[tuple] = set()  # the keys of `graphs` that have run
+        self.compiled: FastEagle3 | None = None  # its products callable from a graph, where drafting compiles
         if isinstance(getattr(model.backbone, FAST_FORWARD, None), CompiledLlama):
-            fast = self.fast
-            why_not = why_not_compiled([fast.fc, fast.lm_head, *(getattr(fast.layer, name) for name in
-                                                                 fast.layer.PRODUCTS)])
-        self.compiled = None if why_not else self.fast.with_products(compilable)
-        if why_not and isinstance(getattr(model.backbone, FAST_FORWARD, None), CompiledLlama):
-            logger.warning("Drafting without compiling: %s.", why_not)
+            why_not = why_not_compiled([fast.fc, fast.lm_head, *(getattr(fast.layer, n) for n in fast.layer.PRODUCTS)])
+            if why_not:
+                logger.warning("Drafting without compiling: %s.", why_not)
+            else:
+                self.compiled = fast.with_products(compilable)
 
     def draft(self, tree: TreeBuffers, top_k: int) -> TreeDraft:
         """The eager `TreeDraft` of `tree`'s nodes of ranks below `top_k`."""
@@ -142,17 +142,19 @@ class TreeDrafts:
             return self.draft(tree, top_k)(fresh, *args)
         key = tree.paths, top_k
         if key not in self.graphs:
-            logger.info("Compiling the drafting of a %d-node tree: about 20 s once, then cached on disk", tree.size)
+            logger.info("Compiling the drafting of a %d-node tree: under a minute once, then cached on disk", tree.size)
             self.graphs[key] = compile_step(TreeDraft(self.compiled, tree, top_k).__call__)
         *scalars, keys, values = args
         torch._dynamo.mark_dynamic(keys, 2)  # the window: one graph for every context length
         torch._dynamo.mark_dynamic(values, 2)
         try:
-            return self.graphs[key](fresh, *scalars, keys, values)
+            tokens = call_graph(self.graphs[key], key in self.ready, fresh, *scalars, keys, values)
         except Exception as err:  # torch.compile's own errors have no common base; eager runs the same function
             logger.warning("Compiling the drafting failed, drafting eagerly from now on: %s", first_line(err))
             self.compiled = None
             return self.draft(tree, top_k)(fresh, *args)
+        self.ready.add(key)
+        return tokens
 
 
 _TREE_DRAFTS: "weakref.WeakKeyDictionary[torch.nn.Module, TreeDrafts]" = weakref.WeakKeyDictionary()

@@ -167,8 +167,10 @@ def drafter_method(name: str, options: dict, drafts: DraftModels, sampling: tupl
         draft = drafts.get(options["draft_model"], model) if "draft_model" in options else None
         if id(model) not in drafters:
             drafters[id(model)] = make_drafter(model, name, **{**options, **({"draft_model": draft} if draft else {})})
-            warm_up(model, drafters[id(model)], say=lambda line: print(line, file=sys.stderr, flush=True))
         drafter = drafters[id(model)]
+        # every run: another method's drafter may have tapped the backbone's layers since (EAGLE-3), which takes
+        # this one's steps through other graphs; a run that finds them compiled compiles nothing
+        warm_up(model, drafter, say=lambda line: print(line, file=sys.stderr, flush=True))
         stats = GenerationStats()
         eos = eos_token_ids(model, None)
         acceptance = make_acceptance(*sampling, seed=0, device=model.device) if sampling else None

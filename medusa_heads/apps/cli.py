@@ -36,7 +36,7 @@ COMPILE_CHOICES = ("auto", "on", "off")
 
 def _add_compile_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compile", choices=COMPILE_CHOICES, default=os.environ.get("MEDUSA_HEADS_COMPILE", "auto"),
-                   help="decode a Llama-family backbone through the compiled step (20-30 s a step size the first "
+                   help="decode a Llama-family backbone through the compiled step (about 40 s a step size the first "
                    "time, then cached on disk); auto: on a CPU computing in bf16 (default: auto, or the "
                    "MEDUSA_HEADS_COMPILE environment variable)")
 
@@ -181,6 +181,7 @@ def _parser() -> argparse.ArgumentParser:
     tu.add_argument("--seconds", type=float, default=120, help="time no more prompts once this is spent (the "
                     "loading and warm-up not counted)")
     _add_runtime_args(tu)
+    _add_compile_arg(tu)
     tu.set_defaults(dtype="auto")
     return parser
 
@@ -609,7 +610,8 @@ def _tune(args) -> None:
             "choice; tune again on a quiet machine.", load, cores)
     start = time.perf_counter()
     print(f"loading and warming up {len(candidates)} configurations", file=sys.stderr)
-    measure = greedy_timer(candidates, dtype, device, args.max_new_tokens, warmup=prompts[0])
+    measure = greedy_timer(candidates, dtype, device, args.max_new_tokens, warmup=prompts[0],
+                           compile_step=_compile_step(args))
     record, path = tune(dtype, device, prompts, measure, args.max_new_tokens, args.seconds)
     print(f"{len(candidates)} configurations on {record['prompts']} prompts, up to {args.max_new_tokens} tokens each, "
           f"in {time.perf_counter() - start:.0f} s on {record['device']}, {record['dtype']}, {record['threads']} "

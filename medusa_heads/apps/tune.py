@@ -11,6 +11,7 @@ another; the runtime reads it through `inference/tuned.py`.
 
 import json
 import statistics
+import sys
 import time
 from datetime import date
 from pathlib import Path
@@ -20,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from medusa_heads.backbone import EMBEDDED_MODEL, load_tokenizer
-from medusa_heads.inference import generate, make_drafter
+from medusa_heads.inference import generate, make_drafter, warm_up
 from medusa_heads.inference.registry import Configuration, tune_candidates
 from medusa_heads.inference.tuned import RECORD_VERSION, machine, record_path
 from medusa_heads.model import MedusaModel
@@ -69,15 +70,18 @@ def tune(dtype: torch.dtype, device: torch.device, prompts: Sequence[str], measu
 
 
 def greedy_timer(candidates: Sequence[Configuration], dtype: torch.dtype, device: torch.device,
-                 max_new_tokens: int, warmup: str) -> Measure:
+                 max_new_tokens: int, warmup: str, compile_step: bool | str = False) -> Measure:
     """A `Measure` that times a candidate's greedy answer on its own model (its heads on the embedded backbone),
-    all loaded here and warmed up on `warmup`."""
+    all loaded here (with `from_pretrained`'s `compile_step`, as `generate` would run them) and warmed up on
+    `warmup`."""
     tokenizer = load_tokenizer(EMBEDDED_MODEL)
     loaded = []
     for candidate in candidates:
         model = MedusaModel.from_pretrained(candidate.heads_path, dtype=dtype, device=device,
-                                            quantize_drafter=candidate.quantize_drafter)
-        loaded.append((model, make_drafter(model, candidate.drafter, **candidate.options)))
+                                            quantize_drafter=candidate.quantize_drafter, compile_step=compile_step)
+        drafter = make_drafter(model, candidate.drafter, **candidate.options)
+        warm_up(model, drafter, lambda line: print(line, file=sys.stderr))
+        loaded.append((model, drafter))
 
     def answer(candidate: Configuration, prompt: str) -> tuple[float, int]:
         model, drafter = loaded[candidates.index(candidate)]
