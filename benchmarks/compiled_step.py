@@ -6,7 +6,7 @@ by side in one process on the embedded model.
 
 For each step size: the first call's time (compiling, or loading from inductor's disk cache), whether another
 context length compiled again, ms per forward (median of interleaved rounds) compiled and eager, and how the logits
-compare.
+compare. `--python-wrapper` adds the same graph called from inductor's Python wrapper instead of its C++ one.
 """
 
 import argparse
@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--python-wrapper", action="store_true", help="also time the graph's Python wrapper")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -46,12 +47,16 @@ def main() -> None:
     if not isinstance(compiled, CompiledLlama):
         raise SystemExit("The step did not compile here (see the warning above).")
     eager = compiled.eager
+    runs = {"compiled": compiled.forward, "eager": eager.forward}
+    if args.python_wrapper:
+        runs["python wrapper"] = CompiledLlama(eager, cpp_wrapper=False).forward
     kv_shape = (1, eager.layers[0].kv_heads, 1024, eager.layers[0].head_dim)
     kv = [(torch.zeros(kv_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype)) for _ in eager.layers]
     print(f"{args.dtype}, {args.threads} threads, context {args.context}")
-    print("| step size | first call (s) | graphs for another context | compiled ms | eager ms | eager / compiled "
-          "| max logit diff | same argmax |")
-    print("|---|---|---|---|---|---|---|---|")
+    wrapper = " python wrapper ms |" if args.python_wrapper else ""
+    print(f"| step size | first call (s) | graphs for another context | compiled ms | eager ms | eager / compiled "
+          f"| max logit diff | same argmax |{wrapper}")
+    print("|---|---|---|---|---|---|---|---|" + "---|" * args.python_wrapper)
     with torch.no_grad():
         for size in map(int, args.sizes.split(",")):
             inputs = step_inputs(size, args.context, config.vocab_size, kv)
@@ -62,9 +67,11 @@ def main() -> None:
             graphs = counters["stats"]["unique_graphs"]
             compiled.forward(*step_inputs(size, args.context + 100, config.vocab_size, kv))
             again = counters["stats"]["unique_graphs"] - graphs
-            times = {"compiled": [], "eager": []}
+            if args.python_wrapper:
+                runs["python wrapper"](*inputs)  # its own graph: compiled before the timing
+            times = {name: [] for name in runs}
             for _ in range(args.rounds):
-                for name, run in (("compiled", compiled.forward), ("eager", eager.forward)):
+                for name, run in runs.items():
                     start = time.perf_counter()
                     run(*inputs)
                     times[name].append((time.perf_counter() - start) * 1e3)
@@ -72,7 +79,8 @@ def main() -> None:
             diff = (logits.float() - reference.float()).abs().max().item()
             same = torch.equal(logits.argmax(-1), reference.argmax(-1))
             print(f"| {size} | {first:.1f} | {again} | {ms['compiled']:.2f} | {ms['eager']:.2f} "
-                  f"| {ms['eager'] / ms['compiled']:.2f}x | {diff:.3g} | {same} |")
+                  f"| {ms['eager'] / ms['compiled']:.2f}x | {diff:.3g} | {same} |"
+                  + (f" {ms['python wrapper']:.2f} |" if args.python_wrapper else ""))
 
 
 if __name__ == "__main__":

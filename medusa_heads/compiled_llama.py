@@ -93,15 +93,15 @@ def call_graph(graph, ready: bool, *args):
         return graph(*args)
 
 
-def compile_step(function):
+def compile_step(function, cpp_wrapper: bool = True):
     """`function` compiled as the decoding steps are: one graph, no Python in it, static shapes but those marked
     dynamic, glue rounded where eager rounds it."""
     _use_our_inductor_cache()
     # emulate_precision_casts: bf16 glue rounded where eager rounds it, so bf16 logits stay within a few units
     # of eager's. cpp_wrapper: the graph's calls made from C++, not from a Python function of a thousand lines
-    # (a bf16 forward of SmolLM2-135M 7-9% faster on this project's CPU)
+    # (a bf16 forward of SmolLM2-135M 7-9% faster on this project's CPU; benchmarks/compiled_step.py)
     return torch.compile(function, fullgraph=True, dynamic=False,
-                         options={"emulate_precision_casts": True, "cpp_wrapper": True})
+                         options={"emulate_precision_casts": True, "cpp_wrapper": cpp_wrapper})
 
 
 def why_not_compiled(products: Iterable) -> str | None:
@@ -119,11 +119,11 @@ class CompiledLlama:
     and sizes past `MAX_GRAPHS` run `fast` itself (`eager`), as prompts do (`backbone_forward`).
     """
 
-    def __init__(self, fast: FastLlama):
+    def __init__(self, fast: FastLlama, cpp_wrapper: bool = True):
         self.eager = fast
         twin = copy.copy(fast)
         twin.layers = [layer.with_products(compilable) for layer in fast.layers]
-        self.graph = compile_step(twin.decode)
+        self.graph = compile_step(twin.decode, cpp_wrapper)
         self.sizes: set[tuple[int, tuple[int, ...]]] = set()  # (tokens, layers tapped) compiled and run
         self.failed = False
 
