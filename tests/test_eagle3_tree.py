@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from medusa_heads import MedusaModel, load_backbone
+from medusa_heads import MedusaError, MedusaModel, load_backbone
 from medusa_heads.compiled_llama import CompiledLlama
 from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.inference import DecodeState, EagleDrafter, GenerationStats, MedusaNgramDrafter, make_drafter
@@ -108,3 +108,17 @@ def test_drafting_that_fails_to_compile_drafts_eagerly(tiny, tmp_path, monkeypat
         assert torch.equal(ours.fill(state, tree), theirs.fill(state, tree))
     assert ours.drafts.compiled is None
     assert "drafting eagerly from now on: inductor could not compile this" in caplog.text
+
+
+def test_states_it_cannot_draft_from_are_one_line_errors(tiny, tmp_path):
+    tree, _ = trees(tmp_path)
+    drafter = Eagle3TreeDrafter(tiny, tree)
+    hidden = torch.zeros(3, tiny.config.hidden_size)  # the last hidden state alone: an untapped backbone
+    with pytest.raises(MedusaError, match="backbone's features .96 values a position."):
+        drafter.fill(DecodeState([1, 2, 3, 4], 4, hidden[-1], hidden), tree)
+    first, _, third = states(tiny.config.hidden_size * 3, [10, 2, 3])
+    drafter.fill(first, tree)
+    with pytest.raises(MedusaError, match="out of step: it has 10 positions, the state starts new ones at 12"):
+        drafter.fill(third, tree)  # a step skipped
+    with pytest.raises(MedusaError, match="trained for 3"):
+        Eagle3TreeDrafter(tiny, build_tree([(0,) * d for d in range(1, 5)]))

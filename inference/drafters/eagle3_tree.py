@@ -25,7 +25,7 @@ from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
 
-from ..cache import BUCKET, round_up
+from ..cache import round_up
 from ..draft import DecodeState, Draft
 from .heads import depth_plan
 
