@@ -161,10 +161,11 @@ _TREE_DRAFTS: "weakref.WeakKeyDictionary[torch.nn.Module, TreeDrafts]" = weakref
 
 
 def tree_drafts(model: MedusaModel) -> TreeDrafts:
-    """The `TreeDrafts` of `model`'s heads (made on first use)."""
-    if model.heads not in _TREE_DRAFTS:
-        _TREE_DRAFTS[model.heads] = TreeDrafts(model)
-    return _TREE_DRAFTS[model.heads]
+    """The `TreeDrafts` of `model`'s heads on its backbone (made on first use, again for another backbone)."""
+    drafts = _TREE_DRAFTS.get(model.heads)
+    if drafts is None or drafts.fast.embed is not model.backbone.get_input_embeddings():
+        drafts = _TREE_DRAFTS[model.heads] = TreeDrafts(model)
+    return drafts
 
 
 class Eagle3TreeDrafter:
