@@ -41,6 +41,10 @@ class FastEagle3:
         self.cos, self.sin = rotary_tables(heads.rotary_emb, layer.self_attn.config.max_position_embeddings,
                                            embed.weight)
 
+    def products(self) -> list:
+        """Its products: `fc`, its layer's and its LM head."""
+        return [self.fc, *(getattr(self.layer, name) for name in FastLlamaLayer.PRODUCTS), self.lm_head]
+
     def with_products(self, wrap: Callable[[Product], Callable]) -> "FastEagle3":
         """The same step with each of its products `wrap`ped (a copy; this one is left as it is)."""
         twin = copy.copy(self)

@@ -58,12 +58,11 @@ def tree_plan(tree: TreeBuffers, top_k: int) -> list[_Depth]:
         ancestors = step.ancestors.tolist()
         m = len(ancestors) if depth else 0
         seen = torch.zeros(m, drafted + m, dtype=torch.bool)
-        for row, chain in enumerate(ancestors if depth else []):
+        for row, chain in enumerate(ancestors[:m]):  # its ancestors' entries were made at shallower depths
             seen[row, [entry[node] for node in chain[1:-1]] + [drafted + row]] = True
+            entry[chain[-1]] = drafted + row
         plan.append(_Depth(step.ancestors[:, -1], step.ancestors[:, -2 if depth else -1], seen.to(device), drafted,
                            step.k, step.children, step.child_row, step.child_rank))
-        for row, chain in enumerate(ancestors if depth else []):
-            entry[chain[-1]] = drafted + row
         drafted += m
     return plan
 
@@ -124,7 +123,7 @@ class TreeDrafts:
         self.ready: set[tuple] = set()  # the keys of `graphs` that have run
         self.compiled: FastEagle3 | None = None  # its products callable from a graph, where drafting compiles
         if isinstance(getattr(model.backbone, FAST_FORWARD, None), CompiledLlama):
-            why_not = why_not_compiled([fast.fc, fast.lm_head, *(getattr(fast.layer, n) for n in fast.layer.PRODUCTS)])
+            why_not = why_not_compiled(fast.products())
             if why_not:
                 logger.warning("Drafting without compiling: %s.", why_not)
             else:
