@@ -2,14 +2,53 @@
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
 from medusa_heads.errors import MedusaError
+from medusa_heads.fast_llama import product
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
 
 from ..draft import DecodeState, Draft
+
+
+class HeadsDraft:
+    r"""
+    The heads' drafting of one static tree as a function of tensors: (last hidden state [H], root [1]) -> tokens
+    [T] (`MedusaDrafter.fill`). Its vocabulary projections are called as products, `wrap`ped (a graph needs
+    `compiled_llama.compilable` ones), so the same function runs eagerly and inside a compiled step.
+    """
+
+    def __init__(self, model: MedusaModel, tree: TreeBuffers, top_k: int,
+                 wrap: Callable[[Callable], Callable] = lambda p: p):
+        self.heads, self.tree, self.top_k = model.heads, tree, top_k
+        owned = model.heads.owned_projections()
+        self.projections = [wrap(product(m)) for m in owned] or [wrap(product(model.projection))]
+        self.embed = model.backbone.get_input_embeddings()
+        self.plan = depth_plan(tree.paths, top_k, str(tree.depth.device)) if model.heads.reads_tokens else None
+
+    def project(self, head: int, states: torch.Tensor) -> torch.Tensor:
+        return self.projections[head if len(self.projections) > 1 else 0](states)
+
+    def __call__(self, hidden: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        tree = self.tree
+        if self.plan is None:
+            states = self.heads.head_states(hidden)  # [K, H]
+            logits = self.project(0, states) if len(self.projections) == 1 else \
+                torch.stack([self.project(k, s) for k, s in enumerate(states)])  # one product for shared heads
+            top = self.heads.token_ids(logits.topk(self.top_k, dim=-1).indices)  # [K, top_k]
+            tokens = top[tree.head.clamp(max=top.shape[0] - 1), tree.rank.clamp(max=top.shape[1] - 1)]  # [T]
+            return torch.cat([root, tokens[1:]])
+        # Path-conditioned heads: depth by depth, one batched head call over the parents of the next depth
+        tokens = torch.cat([root, root.new_zeros(tree.size - 1)])
+        for depth, step in enumerate(self.plan):
+            states = self.heads.head_state(depth, hidden, self.embed(tokens[step.ancestors]))
+            logprobs = torch.log_softmax(self.project(depth, states).float(), -1)  # as `MedusaModel.head_topk`
+            top = self.heads.token_ids(logprobs.topk(step.k).indices)  # [N, k]
+            tokens = tokens.index_put((step.children,), top[step.child_row, step.child_rank])
+        return tokens
 
 
 class MedusaDrafter:
@@ -24,27 +63,20 @@ class MedusaDrafter:
             )
         self.model = model
         self.tree = tree
+        self.drafts: dict[tuple, HeadsDraft] = {}
+
+    def draft(self, tree: TreeBuffers) -> HeadsDraft:
+        """The `HeadsDraft` of `tree` (this drafter's own or one holding it)."""
+        if tree.paths not in self.drafts:
+            self.drafts[tree.paths] = HeadsDraft(self.model, tree, self.tree.top_k)
+        return self.drafts[tree.paths]
 
     @torch.no_grad()
     def fill(self, state: DecodeState, tree: TreeBuffers) -> torch.Tensor:
         """Tokens [T] for `tree`'s nodes from the heads' top-k; nodes deeper than the heads or with ranks beyond
         this drafter's top-k (another drafter's branches) get a placeholder for their owner to overwrite."""
-        if self.model.heads.reads_tokens:
-            return self._fill_by_depth(state, tree)
-        logits = self.model.head_logits(state.hidden)  # [K, V_out]: one projection for every head
-        top = self.model.heads.token_ids(logits.topk(self.tree.top_k, dim=-1).indices)  # [K, top_k]
-        tokens = top[tree.head.clamp(max=top.shape[0] - 1), tree.rank.clamp(max=top.shape[1] - 1)]  # [T]
-        tokens[0] = state.root
-        return tokens
-
-    def _fill_by_depth(self, state: DecodeState, tree: TreeBuffers) -> torch.Tensor:
-        """Path-conditioned heads: depth by depth, one batched head call over the parents of the next depth."""
-        tokens = torch.zeros(tree.size, dtype=torch.long, device=tree.depth.device)
-        tokens[0] = state.root
-        for step in depth_plan(tree.paths, self.tree.top_k, str(tree.depth.device)):
-            top, _ = self.model.head_topk(state.hidden, tokens[step.ancestors], step.k)
-            tokens[step.children] = top[step.child_row, step.child_rank]
-        return tokens
+        root = torch.tensor([state.root], device=tree.depth.device)
+        return self.draft(tree)(self.model.last_hidden(state.hidden), root)
 
     def propose(self, state: DecodeState) -> Draft:
         return Draft(self.tree, self.fill(state, self.tree))
