@@ -62,10 +62,16 @@ class TreeCache:
         """Where the next forward writes: after the longest row."""
         return max(self.lengths)
 
-    def _place(self, start: int, n: int) -> None:
+    def reserve(self, n: int) -> int:
+        """The attention window of a forward writing `n` entries after the longest row: a one-line error where the
+        cache cannot hold them."""
+        start = self.start
         if start + n > self.size:
             raise MedusaError(f"The KV cache of {self.size} entries is full ({start} used, {n} more asked).")
-        window = min(self.size, round_up(start + n))
+        return min(self.size, round_up(start + n))
+
+    def _place(self, start: int, n: int) -> None:
+        window = self.reserve(n)
         for layer in self.cache.layers:
             if layer.is_initialized:
                 layer.cumulative_length.fill_(start)

@@ -18,6 +18,7 @@ from medusa_heads.tree import TreeBuffers, canonical_tree
 from .acceptance import GreedyAcceptance
 from .cache import TreeCache
 from .draft import Acceptance, Accepted, DecodeState, Draft, Drafter
+from .static_step import StaticStepper, static_steps
 from .text import StopStrings, TextStream
 
 
@@ -230,12 +231,21 @@ def step_sizes(drafter: Drafter) -> set[int]:
     return {drafter.tree.size} | ({heads.tree.size} if hasattr(heads, "tree") else set())
 
 
-def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = lambda _: None) -> None:
-    """Compile the backbone's step for the sizes `drafter` verifies, if it decodes through a compiled step
-    (`compiled_llama.py`), and the drafting of its trees where it compiles that (`Eagle3TreeDrafter`), saying so
-    through `say` first."""
+def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = lambda _: None,
+            acceptance: Acceptance | None = None) -> None:
+    """Compile what decoding one sequence with `drafter` and `acceptance` (greedy if None) will run compiled, if
+    the backbone decodes through a compiled step (`compiled_llama.py`): its whole steps (`static_step.py`), else
+    the backbone's step for the sizes `drafter` verifies and the drafting of its trees where it compiles that
+    (`Eagle3TreeDrafter`); saying so through `say` first."""
     step = getattr(model.backbone, FAST_FORWARD, None)
     if not isinstance(step, CompiledLlama):
+        return
+    whole = static_steps(model, drafter, acceptance)
+    if whole is not None:
+        if trees := whole.pending(drafter):
+            say(f"compiling the whole decoding step of {len(trees)} tree{'s' * (len(trees) > 1)}: about 40 s a "
+                "graph the first time, then seconds from the disk cache")
+            whole.warm_up(drafter)
         return
     taps = getattr(model.backbone, FEATURE_LAYERS, ())
     sizes = step.pending(step_sizes(drafter), taps)
@@ -378,6 +388,9 @@ def decode(model: MedusaModel, requests: Sequence[Request], eos_token_ids: Seque
         if root in eos or request.max_new_tokens == 1 or stop:
             finished.append(b)
 
+    stepper = None  # one sequence of a drafter and rule that one graph steps (`static_step.py`)
+    if len(rows) == 1 and (steps := static_steps(model, rows[0].request.drafter, rows[0].request.acceptance)):
+        stepper = StaticStepper(steps, rows[0].request.drafter, cache, rows[0].sequence[-1], rows[0].hidden[-1])
     start = time.perf_counter()
     while True:
         if finished:
@@ -386,10 +399,13 @@ def decode(model: MedusaModel, requests: Sequence[Request], eos_token_ids: Seque
                 return
             cache.keep_rows([b for b in range(cache.batch_size) if b not in finished])
             finished = []
-        steps = decode_step(model, cache, [
-            (row.request.drafter, row.request.acceptance,
-             DecodeState(row.sequence, row.sequence[-1], row.hidden[-1], fresh_hidden=row.hidden))
-            for row in rows], [row.request.stats for row in rows])
+        if stepper is not None:
+            steps = [(None, *stepper.step(rows[0].sequence, rows[0].request.stats))]
+        else:
+            steps = decode_step(model, cache, [
+                (row.request.drafter, row.request.acceptance,
+                 DecodeState(row.sequence, row.sequence[-1], row.hidden[-1], fresh_hidden=row.hidden))
+                for row in rows], [row.request.stats for row in rows])
         for b, (row, (_, tokens, hidden)) in enumerate(zip(rows, steps)):
             request = row.request
             tokens, done = _cut(tokens, request.max_new_tokens - len(row.new_ids), eos)

@@ -25,10 +25,12 @@ from typing import Iterable
 
 import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from torch import nn
 from transformers import PreTrainedModel
 
 from .backbone import cache_home, first_line
-from .fast_llama import FAST_FORWARD, FastLlama, FastLlamaLayer, Product
+from .fast_llama import FAST_FORWARD, FastLlama, FastLlamaLayer, Product, product
+from .packing import PackedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +85,28 @@ def compilable(product):
     return OpaqueProduct(product) if isinstance(product, Product) and product.packed is not None else product
 
 
+class OpaqueLinear(nn.Module):
+    """A packed linear layer of a module tree, called as an `OpaqueProduct`."""
+
+    def __init__(self, linear: PackedLinear):
+        super().__init__()
+        self.product = OpaqueProduct(product(linear))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.product(x)
+
+
+def with_compilable_linears(module: nn.Module) -> nn.Module:
+    """`module` as a graph can call it: a copy of its tree of modules (over the same parameters) whose packed
+    linear layers are `OpaqueLinear`s."""
+    if type(module) is PackedLinear:
+        return OpaqueLinear(module)
+    twin = copy.copy(module)
+    twin._modules = {name: None if child is None else with_compilable_linears(child)
+                     for name, child in module._modules.items()}
+    return twin
+
+
 def call_graph(graph, ready: bool, *args):
     """`graph(*args)`; once it has run for inputs like these (`ready`: no new graph can be needed), checking only the
     guards that tell its graphs apart instead of every guard on every input (about a millisecond a call of the
@@ -121,9 +145,11 @@ class CompiledLlama:
 
     def __init__(self, fast: FastLlama, cpp_wrapper: bool = True):
         self.eager = fast
-        twin = copy.copy(fast)
-        twin.layers = [layer.with_products(compilable) for layer in fast.layers]
-        self.graph = compile_step(twin.decode, cpp_wrapper)
+        # `fast` with every product callable from a graph (whole-step graphs call its `decode` and `lm_head` too)
+        self.compilable = copy.copy(fast)
+        self.compilable.layers = [layer.with_products(compilable) for layer in fast.layers]
+        self.compilable.lm_head = compilable(fast.lm_head)
+        self.graph = compile_step(self.compilable.decode, cpp_wrapper)
         self.sizes: set[tuple[int, tuple[int, ...]]] = set()  # (tokens, layers tapped) compiled and run
         self.failed = False
 

@@ -2,10 +2,10 @@
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
 
 import torch
 
+from medusa_heads.compiled_llama import compilable, with_compilable_linears
 from medusa_heads.errors import MedusaError
 from medusa_heads.fast_llama import product
 from medusa_heads.model import MedusaModel
@@ -17,17 +17,19 @@ from ..draft import DecodeState, Draft
 class HeadsDraft:
     r"""
     The heads' drafting of one static tree as a function of tensors: (last hidden state [H], root [1]) -> tokens
-    [T] (`MedusaDrafter.fill`). Its vocabulary projections are called as products, `wrap`ped (a graph needs
-    `compiled_llama.compilable` ones), so the same function runs eagerly and inside a compiled step.
+    [T] (`MedusaDrafter.fill`). Its vocabulary projections are called as products; `compiled`: through the
+    operators a graph can hold (`compiled_llama.compilable`), so that a whole-step graph drafts too.
     """
 
-    def __init__(self, model: MedusaModel, tree: TreeBuffers, top_k: int,
-                 wrap: Callable[[Callable], Callable] = lambda p: p):
-        self.heads, self.tree, self.top_k = model.heads, tree, top_k
+    def __init__(self, model: MedusaModel, tree: TreeBuffers, top_k: int, compiled: bool = False):
+        wrap = compilable if compiled else lambda p: p
+        self.heads = with_compilable_linears(model.heads) if compiled else model.heads
+        self.tree, self.reads_tokens = tree, model.heads.reads_tokens
         owned = model.heads.owned_projections()
         self.projections = [wrap(product(m)) for m in owned] or [wrap(product(model.projection))]
         self.embed = model.backbone.get_input_embeddings()
-        self.plan = depth_plan(tree.paths, top_k, str(tree.depth.device)) if model.heads.reads_tokens else None
+        self.top_k, self.size = top_k, tree.size  # graphs do not trace `TreeBuffers`' properties
+        self.plan = depth_plan(tree.paths, top_k, str(tree.depth.device)) if self.reads_tokens else None
 
     def project(self, head: int, states: torch.Tensor) -> torch.Tensor:
         return self.projections[head if len(self.projections) > 1 else 0](states)
@@ -42,7 +44,7 @@ class HeadsDraft:
             tokens = top[tree.head.clamp(max=top.shape[0] - 1), tree.rank.clamp(max=top.shape[1] - 1)]  # [T]
             return torch.cat([root, tokens[1:]])
         # Path-conditioned heads: depth by depth, one batched head call over the parents of the next depth
-        tokens = torch.cat([root, root.new_zeros(tree.size - 1)])
+        tokens = torch.cat([root, root.new_zeros(self.size - 1)])
         for depth, step in enumerate(self.plan):
             states = self.heads.head_state(depth, hidden, self.embed(tokens[step.ancestors]))
             logprobs = torch.log_softmax(self.project(depth, states).float(), -1)  # as `MedusaModel.head_topk`

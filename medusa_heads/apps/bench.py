@@ -170,10 +170,10 @@ def drafter_method(name: str, options: dict, drafts: DraftModels, sampling: tupl
         drafter = drafters[id(model)]
         # every run: another method's drafter may have tapped the backbone's layers since (EAGLE-3), which takes
         # this one's steps through other graphs; a run that finds them compiled compiles nothing
-        warm_up(model, drafter, say=lambda line: print(line, file=sys.stderr, flush=True))
+        acceptance = make_acceptance(*sampling, seed=0, device=model.device) if sampling else None
+        warm_up(model, drafter, say=lambda line: print(line, file=sys.stderr, flush=True), acceptance=acceptance)
         stats = GenerationStats()
         eos = eos_token_ids(model, None)
-        acceptance = make_acceptance(*sampling, seed=0, device=model.device) if sampling else None
         start = time.perf_counter()
         ids = [t for chunk in generate_ids(model, input_ids, drafter, acceptance, max_new_tokens, eos, None,
                                            stats) for t in chunk]

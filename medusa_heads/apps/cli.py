@@ -323,7 +323,7 @@ def _generate(args) -> None:
                                         compile_step=_compile_step(args))
     tokenizer = _tokenizer(args, model)
     drafter = make_drafter(model, args.drafter, **options)
-    warm_up(model, drafter, say=lambda line: print(line, file=sys.stderr, flush=True))
+    warm_up(model, drafter, say=lambda line: print(line, file=sys.stderr, flush=True), acceptance=acceptance)
     if args.json:
         result = generate(model, tokenizer, args.prompt, drafter, acceptance, args.max_new_tokens, args.stop, args.raw)
         print(json.dumps({"text": result.text, "token_ids": result.token_ids, **result.stats.as_dict(),

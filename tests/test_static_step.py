@@ -1,0 +1,125 @@
+"""The whole tree step as one compiled graph (`static_step.py`): Medusa and Hydra heads, with and without the n-gram
+branch, decode HF's greedy tokens with the accepted lengths of the host-driven step (`decode_step`), in one graph
+per tree (`fullgraph=True`: a graph break fails) for every prompt and cache size, compiled beforehand by
+`warm_up`; a step that cannot compile runs the same function eagerly."""
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from medusa_heads import MedusaModel
+from medusa_heads.inference import GenerationStats, make_drafter
+from medusa_heads.inference import static_step
+from medusa_heads.inference.generate import warm_up
+from medusa_heads.inference.static_step import static_steps
+from medusa_heads.model import untrained_heads
+
+from oracle import decode, hf_greedy
+
+pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
+
+NEW_TOKENS = 48
+
+
+def frozen_tiny() -> LlamaForCausalLM:
+    """A tiny random Llama, frozen (so packed), whose greedy answers neither repeat one token nor look like noise
+    to the heads below: their drafts are accepted 1 to 4 deep."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=True, initializer_range=0.15)
+    backbone = LlamaForCausalLM(config).eval().requires_grad_(False)
+    backbone.generation_config.eos_token_id = None
+    return backbone
+
+
+@pytest.fixture(scope="module", params=["medusa", "hydra"])
+def heads_folder(request, tmp_path_factory):
+    """Random heads of a type for `frozen_tiny()`: Medusa heads with projections of their own, Hydra heads
+    sharing the LM head over half the vocabulary; the backbone's own prediction, blurred."""
+    backbone = frozen_tiny()
+    torch.manual_seed(1)
+    vocab = backbone.config.vocab_size
+    if request.param == "medusa":
+        heads = untrained_heads(backbone, "tiny", num_heads=4, share_lm_head=False)
+    else:
+        heads = untrained_heads(backbone, "tiny", num_heads=4, head_type="hydra",
+                                draft_vocab=torch.randperm(vocab)[: vocab // 2])
+    for param in heads.parameters():
+        param.data.add_(torch.randn_like(param), alpha=0.05)
+    folder = tmp_path_factory.mktemp(request.param)
+    heads.save_pretrained(folder)
+    return folder
+
+
+def prompts() -> list[torch.Tensor]:
+    """Prompts of three lengths, each a random run said twice, so that prompt lookup finds matches."""
+    generator = torch.Generator().manual_seed(4)
+    runs = [torch.randint(3, 300, (n,), generator=generator) for n in (5, 17, 40)]
+    return [torch.cat([run, run])[None] for run in runs]
+
+
+def drafter_of(model: MedusaModel, name: str):
+    """`name` (`medusa` or `medusa+ngram`) over a tree 4 deep, the chain 3 long."""
+    return make_drafter(model, name, tree="cpu-8", **({"draft_length": 3} if "ngram" in name else {}))
+
+
+def greedy(model: MedusaModel, name: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Each prompt's new tokens and accepted lengths, drafted by `drafter_of(model, name)`."""
+    drafter = drafter_of(model, name)
+    tokens, lengths = [], []
+    for ids in prompts():
+        stats = GenerationStats()
+        tokens.append(decode(model, ids, drafter, max_new_tokens=NEW_TOKENS, stats=stats))
+        lengths.append(stats.accepted_lengths)
+    return tokens, lengths
+
+
+@pytest.mark.parametrize("name", ["medusa", "medusa+ngram"])
+def test_whole_step_graphs_decode_hf_greedy_as_the_host_driven_step(heads_folder, name):
+    compiled = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
+    eager = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
+    drafter = drafter_of(compiled, name)
+    steps = static_steps(compiled, drafter)
+    assert steps is not None and static_steps(eager, drafter_of(eager, name)) is None
+    warm_up(compiled, drafter)
+    assert steps.pending(drafter) == []
+    graphs = counters["stats"]["unique_graphs"]
+    ours, our_lengths = greedy(compiled, name)
+    theirs, their_lengths = greedy(eager, name)
+    # no graph compiled while decoding (warm_up made them all), none per prompt or cache size, and none failed
+    assert counters["stats"]["unique_graphs"] == graphs and not steps.failed
+    assert len(steps.graphs) == (2 if name == "medusa+ngram" else 1)
+    assert ours == theirs == [hf_greedy(compiled.backbone, ids, NEW_TOKENS) for ids in prompts()]
+    assert our_lengths == their_lengths
+    assert any(n > 1 for lengths in our_lengths for n in lengths)  # drafts were accepted, and some rejected
+    assert any(n == 1 for lengths in our_lengths for n in lengths)
+
+
+def test_a_step_that_cannot_compile_runs_the_same_function_eagerly(heads_folder, monkeypatch, caplog):
+    def broken(function):
+        def fail(*args):
+            raise RuntimeError("inductor failed")
+        return fail
+
+    monkeypatch.setattr(static_step, "compile_step", broken)
+    model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
+    with caplog.at_level(logging.WARNING):
+        ours, _ = greedy(model, "medusa+ngram")
+    assert static_steps(model, drafter_of(model, "medusa+ngram")).failed
+    assert "Compiling the whole step failed, stepping eagerly from now on: inductor failed" in caplog.text
+    assert ours == [hf_greedy(model.backbone, ids, NEW_TOKENS) for ids in prompts()]
+
+
+def test_other_rules_and_batches_keep_the_host_driven_step(heads_folder):
+    from medusa_heads.inference import make_acceptance
+
+    model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
+    assert static_steps(model, make_drafter(model, "medusa"), make_acceptance("typical", 0.7)) is None
+    assert static_steps(model, make_drafter(model, "ngram")) is None
