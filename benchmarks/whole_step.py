@@ -1,0 +1,85 @@
+r"""
+The whole tree step as one compiled graph (`static_step.py`) against the same step driven from the host around the
+compiled forward (`decode_step`), and plain decoding through the compiled forward, side by side in one process: the
+default configuration (the shipped Hydra heads, `medusa+ngram` on `hydra-cpu-6`), prompts interleaved.
+
+    python benchmarks/whole_step.py --prompts 16 --dtype bfloat16
+
+For each way: tokens/s and ms a step (medians over prompts), tokens a step, and how many answers equal the
+whole step's (greedy: every way gives the backbone's greedy answer, up to bf16 rounding in the forward).
+"""
+
+import argparse
+import importlib
+import json
+import statistics
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from medusa_heads import MedusaModel
+from medusa_heads.inference import generate, make_drafter, warm_up
+
+PROMPTS = Path(__file__).parent / "prompts.jsonl"
+generate_module = importlib.import_module("medusa_heads.inference.generate")  # the package exports a function so named
+
+
+@contextmanager
+def host_driven():
+    """Decoding as before the whole-step graphs: `decode_step` around the compiled forward."""
+    whole = generate_module.static_steps
+    generate_module.static_steps = lambda *args: None
+    try:
+        yield
+    finally:
+        generate_module.static_steps = whole
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=16, help="benchmark prompts, spread over the categories")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--tree", default="hydra-cpu-6")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    model = MedusaModel.from_pretrained(dtype=args.dtype, compile_step="auto")
+    tokenizer = AutoTokenizer.from_pretrained(model.backbone.name_or_path)
+    rows = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
+    prompts = rows[:: max(len(rows) // args.prompts, 1)][: args.prompts]
+    tree = make_drafter(model, "medusa+ngram", tree=args.tree)
+    ways = {"whole step, one graph": (tree, False), "host-driven step": (tree, True),
+            "plain (compiled forward)": (make_drafter(model, "plain"), False)}
+
+    def run(prompt: str, way: str, tokens: int):
+        drafter, host = ways[way]
+        with host_driven() if host else nullcontext():
+            return generate(model, tokenizer, prompt, drafter, max_new_tokens=tokens)
+
+    for way, (drafter, host) in ways.items():
+        with host_driven() if host else nullcontext():
+            warm_up(model, drafter, print)
+        run(prompts[0], way, 32)
+    results: dict[str, list] = {way: [] for way in ways}
+    for prompt in prompts:
+        for way in ways:
+            answer = run(prompt, way, args.max_new_tokens)
+            stats = answer.stats
+            results[way].append((stats.new_tokens / stats.decode_seconds, 1000 * stats.decode_seconds / stats.steps,
+                                 stats.mean_accepted_length, answer.token_ids))
+    print(f"{args.dtype}, {args.threads} threads, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
+          f"tree {args.tree} + n-gram chain")
+    print("| decoding | tokens/s | ms a step | tokens a step | answers equal to the whole step's |")
+    print("|---|---|---|---|---|")
+    first = next(iter(results.values()))
+    for way, rows in results.items():
+        same = sum(a[3] == b[3] for a, b in zip(first, rows))
+        print(f"| {way} | {statistics.median(r[0] for r in rows):.1f} | {statistics.median(r[1] for r in rows):.2f} "
+              f"| {statistics.mean(r[2] for r in rows):.2f} | {same} of {len(rows)} |")
+
+
+if __name__ == "__main__":
+    main()
