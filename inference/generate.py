@@ -37,7 +37,7 @@ class GenerationStats:
     # Of decode_seconds: proposing the drafts, and verifying them (the backbone's forward and the acceptance rule,
     # up to the accepted tokens on the host); the rest is compacting the cache and the loop. Host clock times: on
     # a GPU, work a phase queued is counted where a later phase waits for it. In a batch, each row counts its own
-    # proposal and the shared forward whole.
+    # proposal and the shared forward whole. A step run as one graph (`static_step.py`) counts whole as verifying.
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
