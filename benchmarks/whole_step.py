@@ -6,7 +6,8 @@ default configuration (the shipped Hydra heads, `medusa+ngram` on `hydra-cpu-6`)
     python benchmarks/whole_step.py --prompts 16 --dtype bfloat16
 
 For each way: tokens/s and ms a step (medians over prompts), tokens a step, and how many answers equal the
-whole step's (greedy: every way gives the backbone's greedy answer, up to bf16 rounding in the forward).
+whole step's (greedy: every way gives the backbone's greedy answer, up to bf16 rounding in the forward). With
+`--profile`, then where the whole step's time goes: torch.profiler's operators over one answer, by self CPU time.
 """
 
 import argparse
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--tree", default="hydra-cpu-6")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--profile", action="store_true", help="then profile the whole step over one answer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = MedusaModel.from_pretrained(dtype=args.dtype, compile_step="auto")
@@ -79,6 +81,12 @@ def main() -> None:
         same = sum(a[3] == b[3] for a, b in zip(first, rows))
         print(f"| {way} | {statistics.median(r[0] for r in rows):.1f} | {statistics.median(r[1] for r in rows):.2f} "
               f"| {statistics.mean(r[2] for r in rows):.2f} | {same} of {len(rows)} |")
+    if args.profile:
+        with torch.profiler.profile() as profiler:
+            stats = run(prompts[0], next(iter(ways)), args.max_new_tokens).stats
+        print(f"\nThe whole step over one answer ({stats.steps} steps, {1000 * stats.decode_seconds / stats.steps:.2f} "
+              "ms a step under the profiler):\n")
+        print(profiler.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":

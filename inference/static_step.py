@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from medusa_heads.backbone import FEATURE_LAYERS, first_line
+from medusa_heads.backbone import first_line
 from medusa_heads.compiled_llama import CompiledLlama, call_graph, compile_step
 from medusa_heads.fast_llama import FAST_FORWARD, FastLlama
 from medusa_heads.model import MedusaModel
@@ -161,8 +161,7 @@ def static_steps(model: MedusaModel, drafter: Drafter, acceptance: Acceptance | 
     compiled = getattr(model.backbone, FAST_FORWARD, None)
     heads = heads_of(drafter)
     if (not isinstance(compiled, CompiledLlama) or compiled.failed or type(heads) is not MedusaDrafter
-            or (acceptance is not None and type(acceptance) is not GreedyAcceptance)
-            or getattr(model.backbone, FEATURE_LAYERS, ()) or heads.model is not model):
+            or (acceptance is not None and type(acceptance) is not GreedyAcceptance) or heads.model is not model):
         return None
     steps = _STATIC_STEPS.get(model.heads)
     if steps is None or steps.compiled is not compiled:
@@ -189,7 +188,7 @@ class StaticStepper:
         self.heads = heads_of(drafter)
         device = cache.valid.device
         self.root = torch.tensor([root], device=device)
-        self.hidden = steps.model.last_hidden(hidden)
+        self.hidden = steps.model.last_hidden(hidden)  # without the layers a tapped backbone adds (`tap_features`)
         self.length = cache.positions.clone()  # a batch of one has no holes: its length is its next position
         self.key_slots = torch.arange(cache.size, device=device)
         self.kv = [(layer.keys, layer.values) for layer in cache.cache.layers]

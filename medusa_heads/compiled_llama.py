@@ -121,6 +121,9 @@ def compile_step(function, cpp_wrapper: bool = True):
     """`function` compiled as the decoding steps are: one graph, no Python in it, static shapes but those marked
     dynamic, glue rounded where eager rounds it."""
     _use_our_inductor_cache()
+    # Dynamo keeps the graphs of one function's code together and gives up past `recompile_limit` of them (8): the
+    # graphs of every `StaticStep`, every tree's drafting, every model's step share a few functions' code
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     # emulate_precision_casts: bf16 glue rounded where eager rounds it, so bf16 logits stay within a few units
     # of eager's. cpp_wrapper: the graph's calls made from C++, not from a Python function of a thousand lines
     # (a bf16 forward of SmolLM2-135M 7-9% faster on this project's CPU; benchmarks/compiled_step.py)

@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import MedusaModel
+from medusa_heads.backbone import tap_features
 from medusa_heads.inference import GenerationStats, make_drafter
 from medusa_heads.inference import static_step
 from medusa_heads.inference.generate import warm_up
@@ -123,3 +124,14 @@ def test_other_rules_and_batches_keep_the_host_driven_step(heads_folder):
     model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
     assert static_steps(model, make_drafter(model, "medusa"), make_acceptance("typical", 0.7)) is None
     assert static_steps(model, make_drafter(model, "ngram")) is None
+
+
+def test_a_backbone_tapped_for_another_drafter_still_steps_whole(heads_folder):
+    """An EAGLE-3 drafter sharing the backbone taps its layers (`tap_features`): the heads read the last hidden
+    state alone, and the step stays one graph."""
+    model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
+    tap_features(model.backbone, (0, 1))
+    ours, _ = greedy(model, "medusa+ngram")
+    steps = static_steps(model, drafter_of(model, "medusa+ngram"))
+    assert len(steps.graphs) == 2 and not steps.failed
+    assert ours == [hf_greedy(model.backbone, ids, NEW_TOKENS) for ids in prompts()]
