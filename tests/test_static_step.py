@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import MedusaModel
 from medusa_heads.backbone import tap_features
-from medusa_heads.inference import GenerationStats, make_drafter
+from medusa_heads.inference import GenerationStats, make_acceptance, make_drafter
 from medusa_heads.inference import static_step
 from medusa_heads.inference.generate import warm_up
 from medusa_heads.inference.static_step import static_steps
@@ -119,8 +119,6 @@ def test_a_step_that_cannot_compile_runs_the_same_function_eagerly(heads_folder,
 
 
 def test_other_rules_and_batches_keep_the_host_driven_step(heads_folder):
-    from medusa_heads.inference import make_acceptance
-
     model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
     assert static_steps(model, make_drafter(model, "medusa"), make_acceptance("typical", 0.7)) is None
     assert static_steps(model, make_drafter(model, "ngram")) is None
