@@ -18,7 +18,7 @@ decoded; everything else takes `decode_step`, which computes the same tokens.
 import logging
 import time
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -33,9 +33,6 @@ from .cache import TreeCache, round_up
 from .draft import Acceptance, DecodeState, Drafter
 from .drafters.heads import HeadsDraft, MedusaDrafter
 from .drafters.ngram import MedusaNgramDrafter
-
-if TYPE_CHECKING:
-    from .generate import GenerationStats  # which imports this module
 
 logger = logging.getLogger(__name__)
 
@@ -207,10 +204,11 @@ class StaticStepper:
         return torch.tensor(follow + follow[-1:] * (width - len(follow)), device=self.root.device)
 
     @torch.no_grad()
-    def step(self, sequence: list[int], stats: "GenerationStats | None" = None) -> tuple[list[int], torch.Tensor]:
+    def step(self, sequence: list[int], stats=None) -> tuple[list[int], torch.Tensor]:
         """One step after `sequence` (prompt + committed tokens, the root last) -> (new tokens, the bonus last; the
-        hidden state [1, H] that predicted the bonus), recorded in `stats` (the whole step counts as verifying: its
-        drafting is inside the graph)."""
+        hidden state [1, H] that predicted the bonus), recorded in `stats` (a `GenerationStats`, which `generate.py`
+        defines and this module cannot import back; the whole step counts as verifying: its drafting is inside the
+        graph)."""
         start_time = time.perf_counter()
         chain = self._chain(sequence)
         if chain is None:
