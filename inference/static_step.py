@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from medusa_heads.backbone import first_line
-from medusa_heads.compiled_llama import CompiledLlama, call_graph, compile_step
+from medusa_heads.compiled_llama import CompiledLlama, call_graph, compile_step, mark_cache_dynamic
 from medusa_heads.fast_llama import FAST_FORWARD, FastLlama
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
@@ -104,15 +104,14 @@ class StaticSteps:
         """Compile the steps of `drafter`'s trees now, each with a step over scratch buffers."""
         top_k = heads_of(drafter).tree.top_k
         like = self.compiled.eager.embed.weight
-        first = self.compiled.eager.layers[0]
+        pending = {tree.paths for tree in self.pending(drafter)}
         for tree, chain_nodes in step_trees(drafter):
-            if (tree.paths, top_k) in self.ready or self.failed:
+            if tree.paths not in pending or self.failed:
                 continue
             context = 16  # any context: the window and the cache's size are dynamic in the graph
             window = round_up(context + tree.size)
-            kv = [tuple(like.new_zeros(1, first.kv_heads, 2 * window, first.head_dim) for _ in range(2))
-                  for _ in self.compiled.eager.layers]
-            mark_dynamic(kv)
+            kv = self.compiled.scratch_cache(window)
+            mark_cache_dynamic(kv)
             key_slots = torch.arange(window, device=like.device)
             torch._dynamo.mark_dynamic(key_slots, 0)
             chain = None if chain_nodes is None else chain_nodes.new_zeros(chain_nodes.shape)
@@ -143,13 +142,6 @@ class StaticSteps:
 def heads_of(drafter: Drafter) -> Drafter:
     """The drafter whose heads fill the tree: `drafter`, or the one an n-gram drafter holds."""
     return drafter.heads if type(drafter) is MedusaNgramDrafter else drafter
-
-
-def mark_dynamic(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """One graph for every cache size."""
-    for keys, values in kv:
-        torch._dynamo.mark_dynamic(keys, 2)
-        torch._dynamo.mark_dynamic(values, 2)
 
 
 _STATIC_STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, StaticSteps]" = weakref.WeakKeyDictionary()
@@ -192,7 +184,7 @@ class StaticStepper:
         self.length = cache.positions.clone()  # a batch of one has no holes: its length is its next position
         self.key_slots = torch.arange(cache.size, device=device)
         self.kv = [(layer.keys, layer.values) for layer in cache.cache.layers]
-        mark_dynamic(self.kv)
+        mark_cache_dynamic(self.kv)
 
     def _chain(self, sequence: list[int]) -> torch.Tensor | None:
         if type(self.drafter) is not MedusaNgramDrafter:

@@ -107,6 +107,13 @@ def with_compilable_linears(module: nn.Module) -> nn.Module:
     return twin
 
 
+def mark_cache_dynamic(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Per layer (keys, values) [B, H_kv, S, D] with a dynamic size S: one graph for every cache size."""
+    for keys, values in kv:
+        torch._dynamo.mark_dynamic(keys, 2)
+        torch._dynamo.mark_dynamic(values, 2)
+
+
 def call_graph(graph, ready: bool, *args):
     """`graph(*args)`; once it has run for inputs like these (`ready`: no new graph can be needed), checking only the
     guards that tell its graphs apart instead of every guard on every input (about a millisecond a call of the
@@ -166,17 +173,23 @@ class CompiledLlama:
         """Compile the graphs of step sizes `sizes` now, with a step over scratch buffers, so that decoding starts
         with them ready."""
         weight = self.eager.embed.weight
-        first = self.eager.layers[0]
         for tokens in self.pending(sizes, taps):
             context = 16  # any context: the window and the cache's size are dynamic in the graph
             window = context + tokens
-            kv_shape = (1, first.kv_heads, 2 * window, first.head_dim)  # longer than the window, as a cache is
-            kv = [(weight.new_zeros(kv_shape), weight.new_zeros(kv_shape)) for _ in self.eager.layers]
+            kv = self.scratch_cache(window)
             slots = torch.arange(context, window, device=weight.device)
             mask = torch.ones(1, 1, tokens, window, dtype=torch.bool, device=weight.device)
             with torch.no_grad():
                 self.forward(torch.zeros(1, tokens, dtype=torch.long, device=weight.device), slots[None],
                              mask.tril(context), kv, slots, taps)
+
+    def scratch_cache(self, window: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Zero keys and values per layer [1, H_kv, 2 window, D], longer than `window` as a cache is: what a warm-up
+        step writes to."""
+        first = self.eager.layers[0]
+        shape = (1, first.kv_heads, 2 * window, first.head_dim)
+        weight = self.eager.embed.weight
+        return [(weight.new_zeros(shape), weight.new_zeros(shape)) for _ in self.eager.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv: list,
                 slots: torch.Tensor, taps: tuple[int, ...] = (), logits_to_keep: int | torch.Tensor = 0
@@ -195,9 +208,7 @@ class CompiledLlama:
         # its dimensions of size 1): a copy of standard strides, or a new graph each time they change
         mask = mask.clone(memory_format=torch.contiguous_format)
         torch._dynamo.mark_dynamic(mask, 3)  # the window: one graph for every context length
-        for keys, values in kv:  # and for every cache size
-            torch._dynamo.mark_dynamic(keys, 2)
-            torch._dynamo.mark_dynamic(values, 2)
+        mark_cache_dynamic(kv)
         try:
             hidden, features = call_graph(self.graph, ready, input_ids, positions, mask, kv, slots, taps)
         except Exception as err:  # torch.compile's own errors have no common base; eager runs the same function

@@ -18,7 +18,8 @@ from typing import Callable, Iterable
 import torch
 
 from medusa_heads.backbone import first_line
-from medusa_heads.compiled_llama import CompiledLlama, call_graph, compilable, compile_step, why_not_compiled
+from medusa_heads.compiled_llama import (CompiledLlama, call_graph, compilable, compile_step, mark_cache_dynamic,
+                                         why_not_compiled)
 from medusa_heads.errors import MedusaError
 from medusa_heads.fast_eagle3 import FastEagle3, fast_eagle3_supports
 from medusa_heads.fast_llama import FAST_FORWARD
@@ -144,8 +145,7 @@ class TreeDrafts:
             logger.info("Compiling the drafting of a %d-node tree: under a minute once, then cached on disk", tree.size)
             self.graphs[key] = compile_step(TreeDraft(self.compiled, tree, top_k).__call__)
         *scalars, keys, values = args
-        torch._dynamo.mark_dynamic(keys, 2)  # the window: one graph for every context length
-        torch._dynamo.mark_dynamic(values, 2)
+        mark_cache_dynamic([(keys, values)])  # the window: one graph for every context length
         try:
             tokens = call_graph(self.graphs[key], key in self.ready, fresh, *scalars, keys, values)
         except Exception as err:  # torch.compile's own errors have no common base; eager runs the same function
