@@ -1,7 +1,9 @@
 r"""
-The whole tree step as one compiled graph (`static_step.py`) against the same step driven from the host around the
-compiled forward (`decode_step`), and plain decoding through the compiled forward, side by side in one process: the
-default configuration (the shipped Hydra heads, `medusa+ngram` on `hydra-cpu-6`), prompts interleaved.
+The whole tree step as one compiled graph, as a frozen package compiled ahead of time (`frozen_step.py`, where the
+CPU has AMX) and as an in-process graph over oneDNN's packed products (`static_step.py`), against the same step
+driven from the host around the compiled forward (`decode_step`), and plain decoding through the compiled forward,
+side by side in one process: the default configuration (the shipped Hydra heads, `medusa+ngram` on
+`hydra-cpu-6`), prompts interleaved.
 
     python benchmarks/whole_step.py --prompts 16 --dtype bfloat16
 
@@ -21,21 +23,30 @@ import torch
 from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel
-from medusa_heads.inference import generate, make_drafter, warm_up
+from medusa_heads.fast_llama import FAST_FORWARD
+from medusa_heads.inference import frozen_step, generate, make_drafter, warm_up
+from medusa_heads.inference.static_step import StaticSteps
 
 PROMPTS = Path(__file__).parent / "prompts.jsonl"
 generate_module = importlib.import_module("medusa_heads.inference.generate")  # the package exports a function so named
 
 
 @contextmanager
-def host_driven():
-    """Decoding as before the whole-step graphs: `decode_step` around the compiled forward."""
+def stepping(steps: StaticSteps | None):
+    """Decoding whole steps through `steps`, or (None) as before the whole-step graphs: `decode_step` around the
+    compiled forward."""
     whole = generate_module.static_steps
-    generate_module.static_steps = lambda *args: None
+    generate_module.static_steps = lambda *args: steps
     try:
         yield
     finally:
         generate_module.static_steps = whole
+
+
+def whole_steps(model: MedusaModel, frozen: bool) -> StaticSteps:
+    steps = StaticSteps(model, getattr(model.backbone, FAST_FORWARD))
+    steps.frozen = frozen
+    return steps
 
 
 def main() -> None:
@@ -53,16 +64,18 @@ def main() -> None:
     rows = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
     prompts = rows[:: max(len(rows) // args.prompts, 1)][: args.prompts]
     tree = make_drafter(model, "medusa+ngram", tree=args.tree)
-    ways = {"whole step, one graph": (tree, False), "host-driven step": (tree, True),
-            "plain (compiled forward)": (make_drafter(model, "plain"), False)}
+    ways = {"whole step, in-process graph": (tree, whole_steps(model, frozen=False)),
+            "host-driven step": (tree, None), "plain (compiled forward)": (make_drafter(model, "plain"), None)}
+    if frozen_step.applies(model.backbone.get_input_embeddings().weight):
+        ways = {"whole step, frozen package": (tree, whole_steps(model, frozen=True)), **ways}
 
     def run(prompt: str, way: str, tokens: int):
-        drafter, host = ways[way]
-        with host_driven() if host else nullcontext():
+        drafter, steps = ways[way]
+        with stepping(steps) if drafter is tree else nullcontext():
             return generate(model, tokenizer, prompt, drafter, max_new_tokens=tokens)
 
-    for way, (drafter, host) in ways.items():
-        with host_driven() if host else nullcontext():
+    for way, (drafter, steps) in ways.items():
+        with stepping(steps) if drafter is tree else nullcontext():
             warm_up(model, drafter, print)
         run(prompts[0], way, 32)
     results: dict[str, list] = {way: [] for way in ways}
@@ -74,7 +87,7 @@ def main() -> None:
                                  stats.mean_accepted_length, answer.token_ids))
     print(f"{args.dtype}, {args.threads} threads, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
           f"tree {args.tree} + n-gram chain")
-    print("| decoding | tokens/s | ms a step | tokens a step | answers equal to the whole step's |")
+    print(f"| decoding | tokens/s | ms a step | tokens a step | answers equal to the {next(iter(ways))}'s |")
     print("|---|---|---|---|---|")
     first = next(iter(results.values()))
     for way, rows in results.items():

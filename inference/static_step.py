@@ -30,6 +30,7 @@ from medusa_heads.tree import TreeBuffers
 
 from .acceptance import GreedyAcceptance
 from .cache import TreeCache, round_up
+from . import frozen_step
 from .draft import Acceptance, DecodeState, Drafter
 from .drafters.heads import HeadsDraft, MedusaDrafter
 from .drafters.ngram import MedusaNgramDrafter
@@ -51,10 +52,10 @@ class StaticStep:
     """
 
     def __init__(self, model: MedusaModel, fast: FastLlama, tree: TreeBuffers, top_k: int,
-                 chain_nodes: torch.Tensor | None, compiled: bool):
+                 chain_nodes: torch.Tensor | None, linears: str):
         self.fast, self.tree, self.chain_nodes = fast, tree, chain_nodes
         self.size = tree.size  # dynamo does not trace `TreeBuffers`' properties (`tree/` reads as the `tree` package)
-        self.draft = HeadsDraft(model, tree, top_k, compiled)
+        self.draft = HeadsDraft(model, tree, top_k, linears)
         device = tree.depth.device
         self.node_slots = torch.arange(tree.size, device=device)
         self.path_slots = torch.arange(tree.max_depth + 1, device=device)
@@ -93,6 +94,7 @@ class StaticSteps:
         self.eager: dict[tuple, StaticStep] = {}
         self.ready: set[tuple] = set()  # the keys of `graphs` that have run
         self.failed = False
+        self.frozen = frozen_step.applies(compiled.eager.embed.weight)  # graphs are `frozen_step` packages
 
     def pending(self, drafter: Drafter) -> list[TreeBuffers]:
         """The trees of `drafter` whose step a decode would compile now."""
@@ -122,13 +124,25 @@ class StaticSteps:
         key = tree.paths, top_k
         if self.failed:
             if key not in self.eager:
-                self.eager[key] = StaticStep(self.model, self.compiled.eager, tree, top_k, chain_nodes, False)
+                self.eager[key] = StaticStep(self.model, self.compiled.eager, tree, top_k, chain_nodes, "packed")
             return self.eager[key](*args)
+        if key not in self.graphs and self.frozen:
+            try:
+                plain = lambda: StaticStep(self.model, FastLlama(self.model.backbone, plain=True), tree, top_k,
+                                           chain_nodes, "plain")
+                self.graphs[key] = frozen_step.load_or_build(self.model, tree, top_k, chain_nodes,
+                                                             self.compiled.scratch_cache, plain)
+            except Exception as err:  # export's and inductor's errors have no common base
+                logger.warning("Compiling the whole step ahead of time failed, compiling it in process instead: %s",
+                               first_line(err))
+                self.frozen = False
         if key not in self.graphs:
             logger.info("Compiling the whole step of a %d-node tree: under a minute once, then cached on disk",
                         tree.size)
-            step = StaticStep(self.model, self.compiled.compilable, tree, top_k, chain_nodes, True)
+            step = StaticStep(self.model, self.compiled.compilable, tree, top_k, chain_nodes, "opaque")
             self.graphs[key] = compile_step(step.__call__)
+        if self.frozen:
+            return self.graphs[key](*args)
         try:
             out = call_graph(self.graphs[key], key in self.ready, *args)
         except Exception as err:  # torch.compile's own errors have no common base; eager runs the same function

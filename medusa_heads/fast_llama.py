@@ -90,13 +90,14 @@ class Product:
         return packed_product(x, self.packed, self.bias)
 
 
-def product(module: nn.Module) -> Product | nn.Module:
-    """A linear layer's product, called without the module (its packed weight directly where it has one); any
-    other layer (a quantized one, a member of a fused group) is called as it is."""
-    if type(module) not in (nn.Linear, PackedLinear):
+def product(module: nn.Module, plain: bool = False) -> Product | nn.Module:
+    """A linear layer's product, called without the module (its packed weight directly where it has one, unless
+    `plain`: then over its own weight, as a graph that lays weights out itself wants it); any other layer (a
+    quantized one, a member of a fused group) is called as it is."""
+    if type(module) not in ((nn.Linear, PackedLinear, SiblingLinear) if plain else (nn.Linear, PackedLinear)):
         return module
     bias = None if module.bias is None else module.bias.detach()
-    if type(module) is PackedLinear:
+    if type(module) is PackedLinear and not plain:
         return Product(module.out_features, bias, packed=module.packed)
     return Product(module.out_features, bias, weight=module.weight.detach())
 
@@ -112,10 +113,14 @@ class Concatenated:
         return torch.cat([m(x) for m in self.members], dim=-1)
 
 
-def stacked_product(members: list[nn.Module]) -> Product | Concatenated:
-    """Sibling linear layers as one product whose output holds theirs side by side, over their own weights."""
+def stacked_product(members: list[nn.Module], plain: bool = False) -> Product | Concatenated:
+    """Sibling linear layers as one product whose output holds theirs side by side, over their own weights
+    (`plain`: over one stacked copy of their weights, never a packed one)."""
     if any(type(m) not in (nn.Linear, PackedLinear, SiblingLinear) for m in members):
         return Concatenated(members)
+    if plain:
+        bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
+        return Product(sum(m.out_features for m in members), bias, torch.cat([m.weight.detach() for m in members]))
     siblings = getattr(members[0], "siblings", None)
     biases = [m.bias for m in members]
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
@@ -138,14 +143,14 @@ class FastLlamaLayer:
 
     PRODUCTS = ("qkv", "o_proj", "gate_up", "down_proj")
 
-    def __init__(self, layer: nn.Module, config):
+    def __init__(self, layer: nn.Module, config, plain: bool = False):
         attn = layer.self_attn
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = attn.head_dim
         self.scaling = attn.scaling
-        self.qkv = stacked_product(_attention_projections(layer))
-        self.gate_up = stacked_product(_mlp_projections(layer))
-        self.o_proj, self.down_proj = product(attn.o_proj), product(layer.mlp.down_proj)
+        self.qkv = stacked_product(_attention_projections(layer), plain)
+        self.gate_up = stacked_product(_mlp_projections(layer), plain)
+        self.o_proj, self.down_proj = product(attn.o_proj, plain), product(layer.mlp.down_proj, plain)
         self.norms = [(n.weight, n.variance_epsilon) for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         self.qk_norm = None
         if hasattr(attn, "q_norm"):  # Qwen3: RMSNorm over each head's queries and keys before the rotation
@@ -199,16 +204,18 @@ class FastLlama:
     r"""
     The decoder of a Llama-family `backbone` over a static cache, made once the model is on its device, in its
     dtype and packed (it reads the weights as they are then). `forward` takes what the tree cache gives a step.
+    `plain`: every product over plain weights (the q/k/v and gate/up groups stacked into copies), for a graph that
+    lays the weights out itself (`frozen_step.py`).
     """
 
-    def __init__(self, backbone: PreTrainedModel):
+    def __init__(self, backbone: PreTrainedModel, plain: bool = False):
         decoder = backbone.model
         config = backbone.config
         self.embed = decoder.embed_tokens
-        self.layers = [FastLlamaLayer(layer, config) for layer in decoder.layers[: config.num_hidden_layers]]
+        self.layers = [FastLlamaLayer(layer, config, plain) for layer in decoder.layers[: config.num_hidden_layers]]
         self.norm = (decoder.norm.weight, decoder.norm.variance_epsilon)
         head = backbone.lm_head
-        self.lm_head = product(head)
+        self.lm_head = product(head, plain)
         self.cos, self.sin = rotary_tables(decoder.rotary_emb, config.max_position_embeddings, self.embed.weight)
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

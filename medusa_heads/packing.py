@@ -17,6 +17,7 @@ trial forward instead of from the model's source (`fuse_siblings`); one product 
 a layer on this CPU, bit-identical.
 """
 
+import copy
 import logging
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -70,6 +71,18 @@ def pack_linears(model: nn.Module) -> int:
             module.__class__ = PackedLinear
             count += 1
     return count
+
+
+def with_plain_linears(module: nn.Module) -> nn.Module:
+    """A copy of `module`'s tree of modules (over the same parameters) whose packed linear layers compute as plain
+    `nn.Linear`s: for a graph that lays the weights out itself."""
+    twin = copy.copy(module)
+    if isinstance(module, PackedLinear):
+        twin.__class__ = nn.Linear
+        return twin
+    twin._modules = {name: None if child is None else with_plain_linears(child)
+                     for name, child in module._modules.items()}
+    return twin
 
 
 class Siblings:

@@ -1,7 +1,8 @@
 """The whole tree step as one compiled graph (`static_step.py`): Medusa and Hydra heads, with and without the n-gram
 branch, decode HF's greedy tokens with the accepted lengths of the host-driven step (`decode_step`), in one graph
 per tree (`fullgraph=True`: a graph break fails) for every prompt and cache size, compiled beforehand by
-`warm_up`; a step that cannot compile runs the same function eagerly."""
+`warm_up`; a step that cannot compile runs the same function eagerly. Compiled ahead of time with the weights
+frozen in (`frozen_step.py`), the same tokens, from a package on disk that a second model loads."""
 
 import logging
 import os
@@ -16,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from medusa_heads import MedusaModel
 from medusa_heads.backbone import tap_features
 from medusa_heads.inference import GenerationStats, make_acceptance, make_drafter
-from medusa_heads.inference import static_step
+from medusa_heads.inference import frozen_step, static_step
 from medusa_heads.inference.generate import warm_up
 from medusa_heads.inference.static_step import static_steps
 from medusa_heads.model import untrained_heads
@@ -133,3 +134,32 @@ def test_a_backbone_tapped_for_another_drafter_still_steps_whole(heads_folder):
     steps = static_steps(model, drafter_of(model, "medusa+ngram"))
     assert len(steps.graphs) == 2 and not steps.failed
     assert ours == [hf_greedy(model.backbone, ids, NEW_TOKENS) for ids in prompts()]
+
+
+def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folder, monkeypatch, tmp_path, caplog):
+    """AMX bf16 CPUs take frozen packages by default; forced here in fp32, where greedy output is exact."""
+    monkeypatch.setenv("MEDUSA_HEADS_HOME", str(tmp_path))
+    monkeypatch.setattr(frozen_step, "applies", lambda like: True)
+    model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
+    warm_up(model, drafter_of(model, "medusa"))
+    steps = static_steps(model, drafter_of(model, "medusa"))
+    assert steps.frozen and len(steps.graphs) == 1
+    package, = (tmp_path / "steps").glob("*.pt2")
+    ours, our_lengths = greedy(model, "medusa")
+    _, host_lengths = greedy(MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny()), "medusa")
+    assert ours == [hf_greedy(model.backbone, ids, NEW_TOKENS) for ids in prompts()]
+    assert our_lengths == host_lengths
+
+    package.write_bytes(package.read_bytes()[:1000])  # a stopped copy: the next model compiles it again
+    with caplog.at_level(logging.WARNING):
+        rebuilt = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
+        assert greedy(rebuilt, "medusa") == (ours, our_lengths)
+    assert "does not load" in caplog.text and package.stat().st_size > 1000
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("compiled again")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
+    loaded = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
+    assert greedy(loaded, "medusa") == (ours, our_lengths)
+    assert static_steps(loaded, drafter_of(loaded, "medusa")).frozen

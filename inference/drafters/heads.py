@@ -9,6 +9,7 @@ from medusa_heads.compiled_llama import compilable, with_compilable_linears
 from medusa_heads.errors import MedusaError
 from medusa_heads.fast_llama import product
 from medusa_heads.model import MedusaModel
+from medusa_heads.packing import with_plain_linears
 from medusa_heads.tree import TreeBuffers
 
 from ..draft import DecodeState, Draft
@@ -17,16 +18,19 @@ from ..draft import DecodeState, Draft
 class HeadsDraft:
     r"""
     The heads' drafting of one static tree as a function of tensors: (last hidden state [H], root [1]) -> tokens
-    [T] (`MedusaDrafter.fill`). Its vocabulary projections are called as products; `compiled`: through the
-    operators a graph can hold (`compiled_llama.compilable`), so that a whole-step graph drafts too.
+    [T] (`MedusaDrafter.fill`). Its linear layers are called as `linears` says: "packed" (as the model holds
+    them), "opaque" (through the operators a graph can hold, `compiled_llama.compilable`, so that a whole-step
+    graph drafts too) or "plain" (over plain weights, for a graph that lays weights out itself).
     """
 
-    def __init__(self, model: MedusaModel, tree: TreeBuffers, top_k: int, compiled: bool = False):
-        wrap = compilable if compiled else lambda p: p
-        self.heads = with_compilable_linears(model.heads) if compiled else model.heads
+    def __init__(self, model: MedusaModel, tree: TreeBuffers, top_k: int, linears: str = "packed"):
+        wrap = compilable if linears == "opaque" else lambda p: p
+        self.heads = {"packed": model.heads, "opaque": with_compilable_linears(model.heads),
+                      "plain": with_plain_linears(model.heads)}[linears]
         self.tree, self.reads_tokens = tree, model.heads.reads_tokens
         owned = model.heads.owned_projections()
-        self.projections = [wrap(product(m)) for m in owned] or [wrap(product(model.projection))]
+        plain = linears == "plain"
+        self.projections = [wrap(product(m, plain)) for m in owned] or [wrap(product(model.projection, plain))]
         self.embed = model.backbone.get_input_embeddings()
         self.top_k, self.size = top_k, tree.size  # graphs do not trace `TreeBuffers`' properties
         self.plan = depth_plan(tree.paths, top_k, str(tree.depth.device)) if self.reads_tokens else None

@@ -1,0 +1,116 @@
+r"""
+The whole tree step compiled ahead of time with its weights frozen in: `StaticStep` over plain weights, exported
+and compiled by AOTInductor into one package on disk, which later processes load in seconds.
+
+The products are most of a step (64% on this project's Xeon with AMX). oneDNN's packed bf16 products, which the
+in-process graphs of `static_step.py` call, stream the weights at about 14 GB/s there; inductor's own AMX
+micro-kernels, over weights it lays out itself when it compiles, do the same products in about half the time
+(docs/experiments.md). Inductor lays out only weights it sees as constants (`freezing`), and its disk cache does
+not keep such graphs (their laid-out constants do not pickle), so each process would spend minutes compiling
+again. An AOTInductor package keeps the compiled code and the laid-out weights together.
+
+It applies where the micro-kernels pay: bf16 on a CPU with AMX tiles (`applies`); elsewhere the in-process graphs
+step. A package is named by a digest of the weights, the tree, this code and torch's version, so a changed model
+or release compiles afresh instead of loading a stale step.
+"""
+
+import hashlib
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from medusa_heads.backbone import cache_home, first_line
+from medusa_heads.model import MedusaModel
+from medusa_heads.tree import TreeBuffers
+
+from .cache import round_up
+
+logger = logging.getLogger(__name__)
+
+CONTEXT = 16  # the example step's context: the window and the cache's size are dynamic in the package
+
+
+def applies(like: torch.Tensor) -> bool:
+    """Whether whole steps over tensors like `like` (the backbone's weights) take frozen packages."""
+    amx = getattr(torch._C._cpu, "_init_amx", lambda: False)  # asks the kernel for the tiles; False without them
+    return like.device.type == "cpu" and like.dtype == torch.bfloat16 and amx()
+
+
+class _Exportable(nn.Module):
+    """A `StaticStep` as the module `torch.export` takes."""
+
+    def __init__(self, step: Callable):
+        super().__init__()
+        self.step = step
+
+    def forward(self, root, hidden, chain, length, key_slots, kv):
+        return self.step(root, hidden, chain, length, key_slots, kv)
+
+
+def _digest(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool) -> str:
+    """What a package is named by: the weights' bytes, the step's code, the tree and the software."""
+    digest = hashlib.blake2b(digest_size=16)
+    modules = ("medusa_heads.fast_llama", "medusa_heads.inference.static_step", "medusa_heads.inference.frozen_step",
+               "medusa_heads.inference.drafters.heads", "medusa_heads.inference.acceptance",
+               type(model.heads).__module__)
+    for name in modules:
+        digest.update(Path(sys.modules[name].__file__).read_bytes())
+    for part in (torch.__version__, torch.backends.cpu.get_cpu_capability(), tree.paths, top_k, chain):
+        digest.update(repr(part).encode())
+    for tensor in (*model.backbone.state_dict().values(), *model.heads.state_dict().values()):
+        digest.update(repr((tensor.dtype, tuple(tensor.shape))).encode())
+        digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def _export(model: MedusaModel, step: Callable, tree: TreeBuffers, chain_nodes: torch.Tensor | None,
+            kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.export.ExportedProgram:
+    like = model.backbone.get_input_embeddings().weight
+    window = round_up(CONTEXT + tree.size)
+    chain = None if chain_nodes is None else chain_nodes.new_zeros(chain_nodes.shape)
+    args = (like.new_zeros(1, dtype=torch.long), like.new_zeros(like.shape[1]), chain,
+            torch.tensor([CONTEXT], device=like.device), torch.arange(window, device=like.device), kv)
+    cache = torch.export.Dim("cache", min=window, max=1 << 24)
+    window_dim = torch.export.Dim("window", min=tree.size + 1, max=1 << 24)
+    shapes = (None, None, None, None, {0: window_dim}, [({2: cache}, {2: cache}) for _ in kv])
+    return torch.export.export(_Exportable(step), args, dynamic_shapes=shapes)
+
+
+def load_or_build(model: MedusaModel, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None,
+                  scratch_cache: Callable[[int], list], plain_step: Callable[[], Callable]) -> Callable:
+    """The frozen package of `model`'s whole step on `tree` (with the n-gram branch at `chain_nodes`, if given),
+    loaded from the cache folder, or built there first (again, where the one there does not load) from
+    `plain_step()` (that `StaticStep` over plain weights); called as `StaticStep` is."""
+    path = cache_home() / "steps" / f"{_digest(model, tree, top_k, chain_nodes is not None)}.pt2"
+    if path.exists():
+        try:
+            return torch._inductor.aoti_load_package(str(path))
+        except Exception as err:  # a truncated or foreign file: its loader's errors have no common base
+            logger.warning("%s does not load (%s): compiling it again", path, first_line(err))
+    _build(model, tree, chain_nodes, scratch_cache, plain_step(), path)
+    return torch._inductor.aoti_load_package(str(path))
+
+
+def _build(model: MedusaModel, tree: TreeBuffers, chain_nodes: torch.Tensor | None,
+           scratch_cache: Callable[[int], list], step: Callable, path: Path) -> None:
+    logger.info("Compiling the whole step of a %d-node tree ahead of time, its weights laid out for this CPU: a few "
+                "minutes once, then loaded from %s", tree.size, path.parent)
+    with torch.no_grad():
+        program = _export(model, step, tree, chain_nodes, scratch_cache(round_up(CONTEXT + tree.size)))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+               "emulate_precision_casts": True}
+    handle, partial = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
+    os.close(handle)
+    try:
+        with torch.enable_grad():  # under no_grad, freezing's constant folding breaks on a shared constant
+            torch._inductor.aoti_compile_and_package(program, package_path=partial, inductor_configs=options)
+        os.replace(partial, path)  # whole or not at all: a stopped build leaves no package behind
+    finally:
+        Path(partial).unlink(missing_ok=True)
