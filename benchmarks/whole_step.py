@@ -8,7 +8,7 @@ side by side in one process: the default configuration (the shipped Hydra heads,
     python benchmarks/whole_step.py --prompts 16 --dtype bfloat16
 
 For each way: tokens/s and ms a step (medians over prompts), tokens a step, and how many answers equal the
-whole step's (greedy: every way gives the backbone's greedy answer, up to bf16 rounding in the forward). With
+first row's (greedy: every way gives the backbone's greedy answer, up to bf16 rounding in the forward). With
 `--profile`, then where the whole step's time goes: torch.profiler's operators over one answer, by self CPU time.
 """
 
@@ -87,7 +87,7 @@ def main() -> None:
                                  stats.mean_accepted_length, answer.token_ids))
     print(f"{args.dtype}, {args.threads} threads, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
           f"tree {args.tree} + n-gram chain")
-    print(f"| decoding | tokens/s | ms a step | tokens a step | answers equal to the {next(iter(ways))}'s |")
+    print("| decoding | tokens/s | ms a step | tokens a step | answers equal to the first row's |")
     print("|---|---|---|---|---|")
     first = next(iter(results.values()))
     for way, rows in results.items():

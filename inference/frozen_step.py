@@ -17,8 +17,11 @@ or release compiles afresh instead of loading a stale step.
 import hashlib
 import logging
 import os
+import shutil
 import sys
 import tempfile
+import time
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +37,8 @@ from .cache import round_up
 logger = logging.getLogger(__name__)
 
 CONTEXT = 16  # the example step's context: the window and the cache's size are dynamic in the package
+PARTIAL, LOADING = "partial-", "loading-"  # a package being written; a folder a package is unpacked into
+KEEP_BYTES = 4 << 30  # packages kept in the cache folder at most (a 135M model's is ~600 MB), the least recent go
 
 
 def applies(like: torch.Tensor) -> bool:
@@ -90,11 +95,47 @@ def load_or_build(model: MedusaModel, tree: TreeBuffers, top_k: int, chain_nodes
     path = cache_home() / "steps" / f"{_digest(model, tree, top_k, chain_nodes is not None)}.pt2"
     if path.exists():
         try:
-            return torch._inductor.aoti_load_package(str(path))
+            os.utime(path)  # recently used: `prune` keeps it
+            return _load(path)
         except Exception as err:  # a truncated or foreign file: its loader's errors have no common base
             logger.warning("%s does not load (%s): compiling it again", path, first_line(err))
     _build(model, tree, chain_nodes, scratch_cache, plain_step(), path)
-    return torch._inductor.aoti_load_package(str(path))
+    prune(path.parent, keep=path)
+    return _load(path)
+
+
+def _load(path: Path) -> Callable:
+    """The package at `path`, loaded. Its loader unpacks it (its libraries, the weights among them) into a folder
+    under TMPDIR that it deletes only when the loaded step is collected, which the end of a process skips: here it
+    unpacks into a folder of ours, deleted once loaded (the libraries stay mapped)."""
+    unpacked = tempfile.mkdtemp(prefix=LOADING, dir=path.parent)
+    tmpdir = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = unpacked
+    try:
+        return torch._inductor.aoti_load_package(str(path))
+    finally:
+        if tmpdir is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = tmpdir
+        shutil.rmtree(unpacked, ignore_errors=True)
+
+
+def prune(folder: Path, keep: Path, limit: int = KEEP_BYTES) -> None:
+    """Delete the least recently used packages of `folder` (other than `keep`) while they hold more than `limit`
+    bytes: each changed model, tree or release of this code makes new ones. Also what builds and loads stopped over a
+    day ago left."""
+    for stopped in (*folder.glob(f"{PARTIAL}*"), *folder.glob(f"{LOADING}*")):
+        if time.time() - stopped.stat().st_mtime > 86400:
+            shutil.rmtree(stopped) if stopped.is_dir() else stopped.unlink(missing_ok=True)
+    packages = sorted((p for p in folder.glob("*.pt2") if not p.name.startswith(PARTIAL)),
+                      key=lambda p: p.stat().st_mtime, reverse=True)
+    total = 0
+    for package in packages:
+        total += package.stat().st_size
+        if total > limit and package != keep:
+            logger.info("Deleting %s, the least recently used whole-step package", package)
+            package.unlink(missing_ok=True)
 
 
 def _build(model: MedusaModel, tree: TreeBuffers, chain_nodes: torch.Tensor | None,
@@ -104,12 +145,17 @@ def _build(model: MedusaModel, tree: TreeBuffers, chain_nodes: torch.Tensor | No
     with torch.no_grad():
         program = _export(model, step, tree, chain_nodes, scratch_cache(round_up(CONTEXT + tree.size)))
     path.parent.mkdir(parents=True, exist_ok=True)
+    # freezing: the weights are constants, which inductor lays out for its micro-kernels; max_autotune: those
+    # kernels or ATen's, whichever times faster here for each product (its tables not printed)
     options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-               "emulate_precision_casts": True}
-    handle, partial = tempfile.mkstemp(suffix=".pt2", dir=path.parent)
+               "emulate_precision_casts": True, "autotune_num_choices_displayed": 0,
+               "max_autotune_report_choices_stats": False}
+    handle, partial = tempfile.mkstemp(prefix=PARTIAL, suffix=".pt2", dir=path.parent)  # the compiler wants .pt2
     os.close(handle)
     try:
-        with torch.enable_grad():  # under no_grad, freezing's constant folding breaks on a shared constant
+        # under no_grad, freezing's constant folding breaks on a shared constant
+        with torch.enable_grad(), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*(TypedStorage|LeafSpec)")  # torch's own deprecations
             torch._inductor.aoti_compile_and_package(program, package_path=partial, inductor_configs=options)
         os.replace(partial, path)  # whole or not at all: a stopped build leaves no package behind
     finally:

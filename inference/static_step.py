@@ -142,6 +142,7 @@ class StaticSteps:
             step = StaticStep(self.model, self.compiled.compilable, tree, top_k, chain_nodes, "opaque")
             self.graphs[key] = compile_step(step.__call__)
         if self.frozen:
+            self.ready.add(key)
             return self.graphs[key](*args)
         try:
             out = call_graph(self.graphs[key], key in self.ready, *args)

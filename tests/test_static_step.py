@@ -143,7 +143,7 @@ def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folde
     model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
     warm_up(model, drafter_of(model, "medusa"))
     steps = static_steps(model, drafter_of(model, "medusa"))
-    assert steps.frozen and len(steps.graphs) == 1
+    assert steps.frozen and len(steps.graphs) == 1 and steps.pending(drafter_of(model, "medusa")) == []
     package, = (tmp_path / "steps").glob("*.pt2")
     ours, our_lengths = greedy(model, "medusa")
     _, host_lengths = greedy(MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny()), "medusa")
@@ -163,3 +163,21 @@ def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folde
     loaded = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
     assert greedy(loaded, "medusa") == (ours, our_lengths)
     assert static_steps(loaded, drafter_of(loaded, "medusa")).frozen
+    assert list((tmp_path / "steps").iterdir()) == [package]  # loading unpacked it into a folder since deleted
+
+
+def test_the_package_folder_keeps_the_most_recently_used_within_its_limit(tmp_path):
+    sizes = {"old": 400, "older": 300, "new": 500, "built": 600}
+    for age, (name, size) in enumerate(sizes.items()):
+        (tmp_path / f"{name}.pt2").write_bytes(b"x" * size)
+        os.utime(tmp_path / f"{name}.pt2", (1000 - age, 1000 - {"old": 2, "older": 3, "new": 1, "built": 0}[name]))
+    (tmp_path / "partial-stopped.pt2").write_bytes(b"x")
+    (tmp_path / "partial-building.pt2").write_bytes(b"x" * 2000)
+    os.utime(tmp_path / "partial-stopped.pt2", (0, 0))
+    (tmp_path / "loading-stopped").mkdir()
+    os.utime(tmp_path / "loading-stopped", (0, 0))
+    frozen_step.prune(tmp_path, keep=tmp_path / "built.pt2", limit=1500)
+    # 1500 bytes: "older" goes; so does what a build and a load stopped long ago left, not a build under way
+    assert sorted(p.stem for p in tmp_path.iterdir()) == ["built", "new", "old", "partial-building"]
+    frozen_step.prune(tmp_path, keep=tmp_path / "old.pt2", limit=100)
+    assert sorted(p.stem for p in tmp_path.iterdir()) == ["old", "partial-building"]
