@@ -10,8 +10,8 @@ not keep such graphs (their laid-out constants do not pickle), so each process w
 again. An AOTInductor package keeps the compiled code and the laid-out weights together.
 
 It applies where the micro-kernels pay: bf16 on a CPU with AMX tiles (`applies`); elsewhere the in-process graphs
-step. A package is named by a digest of the weights, the tree, this code and torch's version, so a changed model
-or release compiles afresh instead of loading a stale step.
+step. A package is named by a digest of the weights, the tree, this code, torch's version and the thread count, so a
+changed model or release compiles afresh instead of loading a stale step.
 """
 
 import hashlib
@@ -59,14 +59,16 @@ class _Exportable(nn.Module):
 
 
 def _digest(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool) -> str:
-    """What a package is named by: the weights' bytes, the step's code, the tree and the software."""
+    """What a package is named by: the weights' bytes, the step's code, the tree, the software and the threads."""
     digest = hashlib.blake2b(digest_size=16)
     modules = ("medusa_heads.fast_llama", "medusa_heads.inference.static_step", "medusa_heads.inference.frozen_step",
                "medusa_heads.inference.drafters.heads", "medusa_heads.inference.acceptance",
                type(model.heads).__module__)
     for name in modules:
         digest.update(Path(sys.modules[name].__file__).read_bytes())
-    for part in (torch.__version__, torch.backends.cpu.get_cpu_capability(), tree.paths, top_k, chain):
+    # the thread count too: inductor's products split their work among the threads it compiles for
+    for part in (torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), tree.paths,
+                 top_k, chain):
         digest.update(repr(part).encode())
     for tensor in (*model.backbone.state_dict().values(), *model.heads.state_dict().values()):
         digest.update(repr((tensor.dtype, tuple(tensor.shape))).encode())

@@ -11,7 +11,7 @@ from medusa_heads.backbone import cache_home
 from medusa_heads.inference.registry import default_configuration, default_drafter, tune_candidates, tuning_prompts
 from medusa_heads.apps.cli import main
 from medusa_heads.apps.tune import tune
-from medusa_heads.inference.tuned import record_path
+from medusa_heads.inference.tuned import RECORD_VERSION, record_path
 
 from test_cli import assert_clean_error, run_cli  # noqa: E402  (pytest puts tests/ on sys.path)
 
@@ -96,7 +96,8 @@ def test_a_corrupted_record_falls_back_to_the_table_with_one_warning(home, caplo
     assert path.read_text() == text  # left for the user to look at; `tune` replaces it
 
 
-@pytest.mark.parametrize("change", [{"version": 2}, {"choice": {"heads": "smollm2-135m-embedded-eagle9"}}])
+@pytest.mark.parametrize("change", [{"version": RECORD_VERSION - 1},
+                                    {"choice": {"heads": "smollm2-135m-embedded-eagle9"}}])
 def test_a_record_of_another_version_or_configuration_falls_back(home, caplog, change):
     _, path = tune(BF16, CPU, tuning_prompts()[:2], faster(1), 8)
     record = json.loads(path.read_text())
