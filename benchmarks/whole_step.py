@@ -66,7 +66,7 @@ def main() -> None:
     tree = make_drafter(model, "medusa+ngram", tree=args.tree)
     ways = {"whole step, in-process graph": (tree, whole_steps(model, frozen=False)),
             "host-driven step": (tree, None), "plain (compiled forward)": (make_drafter(model, "plain"), None)}
-    if frozen_step.applies(model.backbone.get_input_embeddings().weight):
+    if frozen_step.applies(model):
         ways = {"whole step, frozen package": (tree, whole_steps(model, frozen=True)), **ways}
 
     def run(prompt: str, way: str, tokens: int):

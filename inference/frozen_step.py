@@ -9,9 +9,10 @@ micro-kernels, over weights it lays out itself when it compiles, do the same pro
 not keep such graphs (their laid-out constants do not pickle), so each process would spend minutes compiling
 again. An AOTInductor package keeps the compiled code and the laid-out weights together.
 
-It applies where the micro-kernels pay: bf16 on a CPU with AMX tiles (`applies`); elsewhere the in-process graphs
-step. A package is named by a digest of the weights, the tree, this code, torch's version and the thread count, so a
-changed model or release compiles afresh instead of loading a stale step.
+It applies where the micro-kernels pay and the packages fit: bf16 on a CPU with AMX tiles, backbones of up to 1 GB
+(`applies`); elsewhere the in-process graphs step. A package is named by a digest of the weights, the tree, this
+code, torch's version and the thread count, so a changed model or release compiles afresh instead of loading a stale
+step.
 """
 
 import hashlib
@@ -38,13 +39,19 @@ logger = logging.getLogger(__name__)
 
 CONTEXT = 16  # the example step's context: the window and the cache's size are dynamic in the package
 PARTIAL, LOADING = "partial-", "loading-"  # a package being written; a folder a package is unpacked into
+# A package holds twice the weights and a process loads one per tree: 3.4 GB at its peak for the 270 MB default
+# with two trees, so a 7B model's would not fit this way
+MAX_WEIGHT_BYTES = 1 << 30
 KEEP_BYTES = 4 << 30  # packages kept in the cache folder at most (a 135M model's is ~600 MB), the least recent go
 
 
-def applies(like: torch.Tensor) -> bool:
-    """Whether whole steps over tensors like `like` (the backbone's weights) take frozen packages."""
+def applies(model: MedusaModel) -> bool:
+    """Whether `model`'s whole steps take frozen packages: bf16 on a CPU with AMX, a backbone of at most
+    `MAX_WEIGHT_BYTES`."""
+    like = model.backbone.get_input_embeddings().weight
+    size = sum(p.numel() * p.element_size() for p in model.backbone.parameters())
     amx = getattr(torch._C._cpu, "_init_amx", lambda: False)  # asks the kernel for the tiles; False without them
-    return like.device.type == "cpu" and like.dtype == torch.bfloat16 and amx()
+    return like.device.type == "cpu" and like.dtype == torch.bfloat16 and size <= MAX_WEIGHT_BYTES and amx()
 
 
 class _Exportable(nn.Module):

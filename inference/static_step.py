@@ -96,7 +96,7 @@ class StaticSteps:
         self.eager: dict[tuple, StaticStep] = {}
         self.ready: set[tuple] = set()  # the keys of `graphs` that have run
         self.failed = False
-        self.frozen = frozen_step.applies(compiled.eager.embed.weight)  # graphs are `frozen_step` packages
+        self.frozen = frozen_step.applies(model)  # its graphs are `frozen_step` packages
 
     def pending(self, drafter: Drafter) -> list[TreeBuffers]:
         """The trees of `drafter` whose step a decode would compile now."""

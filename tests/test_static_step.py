@@ -139,7 +139,7 @@ def test_a_backbone_tapped_for_another_drafter_still_steps_whole(heads_folder):
 def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folder, monkeypatch, tmp_path, caplog):
     """AMX bf16 CPUs take frozen packages by default; forced here in fp32, where greedy output is exact."""
     monkeypatch.setenv("MEDUSA_HEADS_HOME", str(tmp_path))
-    monkeypatch.setattr(frozen_step, "applies", lambda like: True)
+    monkeypatch.setattr(frozen_step, "applies", lambda model: True)
     model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
     warm_up(model, drafter_of(model, "medusa"))
     steps = static_steps(model, drafter_of(model, "medusa"))
@@ -181,3 +181,12 @@ def test_the_package_folder_keeps_the_most_recently_used_within_its_limit(tmp_pa
     assert sorted(p.stem for p in tmp_path.iterdir()) == ["built", "new", "old", "partial-building"]
     frozen_step.prune(tmp_path, keep=tmp_path / "old.pt2", limit=100)
     assert sorted(p.stem for p in tmp_path.iterdir()) == ["old", "partial-building"]
+
+
+def test_frozen_packages_are_for_small_bf16_backbones_on_amx_cpus(heads_folder, monkeypatch):
+    model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny().to(torch.bfloat16), dtype=torch.bfloat16)
+    amx = torch._C._cpu._init_amx()
+    assert frozen_step.applies(model) == amx
+    assert not frozen_step.applies(MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny()))  # fp32
+    monkeypatch.setattr(frozen_step, "MAX_WEIGHT_BYTES", 1000)  # a backbone larger than that: no packages
+    assert not frozen_step.applies(model)
