@@ -144,8 +144,15 @@ class StaticSteps:
             step = StaticStep(self.model, self.compiled.compilable, tree, top_k, chain_nodes, "opaque")
             self.graphs[key] = compile_step(step.__call__)
         if self.frozen:
+            try:
+                out = self.graphs[key](*args)
+            except Exception as err:  # the package's own checks of its inputs' sizes, say
+                logger.warning("The whole step's package failed, compiling the step in process from now on: %s",
+                               first_line(err))
+                self.frozen, self.graphs, self.ready = False, {}, set()
+                return self.run(tree, top_k, chain_nodes, *args)
             self.ready.add(key)
-            return self.graphs[key](*args)
+            return out
         try:
             out = call_graph(self.graphs[key], key in self.ready, *args)
         except Exception as err:  # torch.compile's own errors have no common base; eager runs the same function

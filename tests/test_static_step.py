@@ -190,3 +190,20 @@ def test_frozen_packages_are_for_small_bf16_backbones_on_amx_cpus(heads_folder, 
     assert not frozen_step.applies(MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny()))  # fp32
     monkeypatch.setattr(frozen_step, "MAX_WEIGHT_BYTES", 1000)  # a backbone larger than that: no packages
     assert not frozen_step.applies(model)
+
+
+def test_a_package_that_fails_to_step_leaves_the_step_to_the_in_process_graph(heads_folder, monkeypatch, caplog):
+    def broken_package(*args):
+        def fail(*step_args):
+            raise RuntimeError("a size outside the package's")
+        return fail
+
+    monkeypatch.setattr(frozen_step, "applies", lambda model: True)
+    monkeypatch.setattr(frozen_step, "load_or_build", broken_package)
+    model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
+    with caplog.at_level(logging.WARNING):
+        ours, _ = greedy(model, "medusa")
+    steps = static_steps(model, drafter_of(model, "medusa"))
+    assert "package failed, compiling the step in process from now on" in caplog.text
+    assert not steps.frozen and not steps.failed and len(steps.graphs) == 1
+    assert ours == [hf_greedy(model.backbone, ids, NEW_TOKENS) for ids in prompts()]
