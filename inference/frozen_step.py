@@ -84,9 +84,10 @@ def _digest(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool) -> s
 
 
 def _export(model: MedusaModel, step: Callable, tree: TreeBuffers, chain_nodes: torch.Tensor | None,
-            kv: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.export.ExportedProgram:
+            scratch_cache: Callable[[int], list]) -> torch.export.ExportedProgram:
     like = model.backbone.get_input_embeddings().weight
     window = round_up(CONTEXT + tree.size)
+    kv = scratch_cache(window)
     chain = None if chain_nodes is None else chain_nodes.new_zeros(chain_nodes.shape)
     args = (like.new_zeros(1, dtype=torch.long), like.new_zeros(like.shape[1]), chain,
             torch.tensor([CONTEXT], device=like.device), torch.arange(window, device=like.device), kv)
@@ -152,7 +153,7 @@ def _build(model: MedusaModel, tree: TreeBuffers, chain_nodes: torch.Tensor | No
     logger.info("Compiling the whole step of a %d-node tree ahead of time, its weights laid out for this CPU: a few "
                 "minutes once, then loaded from %s", tree.size, path.parent)
     with torch.no_grad():
-        program = _export(model, step, tree, chain_nodes, scratch_cache(round_up(CONTEXT + tree.size)))
+        program = _export(model, step, tree, chain_nodes, scratch_cache)
     path.parent.mkdir(parents=True, exist_ok=True)
     # freezing: the weights are constants, which inductor lays out for its micro-kernels; max_autotune: those
     # kernels or ATen's, whichever times faster here for each product (its tables not printed)

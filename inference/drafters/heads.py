@@ -25,8 +25,8 @@ class HeadsDraft:
 
     def __init__(self, model: MedusaModel, tree: TreeBuffers, top_k: int, linears: str = "packed"):
         wrap = compilable if linears == "opaque" else lambda p: p
-        self.heads = {"packed": model.heads, "opaque": with_compilable_linears(model.heads),
-                      "plain": with_plain_linears(model.heads)}[linears]
+        twin = {"packed": lambda heads: heads, "opaque": with_compilable_linears, "plain": with_plain_linears}[linears]
+        self.heads = twin(model.heads)  # only the one asked for: an opaque twin registers its weights with the operator
         self.tree, self.reads_tokens = tree, model.heads.reads_tokens
         owned = model.heads.owned_projections()
         plain = linears == "plain"
