@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from medusa_heads import MedusaModel
 from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.inference import frozen_step, generate, make_drafter, warm_up
-from medusa_heads.inference.static_step import StaticSteps
+from medusa_heads.inference.static_step import StaticSteps, step_trees
 
 PROMPTS = Path(__file__).parent / "prompts.jsonl"
 generate_module = importlib.import_module("medusa_heads.inference.generate")  # the package exports a function so named
@@ -63,19 +63,19 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model.backbone.name_or_path)
     rows = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
     prompts = rows[:: max(len(rows) // args.prompts, 1)][: args.prompts]
-    tree = make_drafter(model, "medusa+ngram", tree=args.tree)
-    ways = {"whole step, in-process graph": (tree, whole_steps(model, frozen=False)),
-            "host-driven step": (tree, None), "plain (compiled forward)": (make_drafter(model, "plain"), None)}
+    tree_drafter = make_drafter(model, "medusa+ngram", tree=args.tree)
+    ways = {"whole step, in-process graph": (tree_drafter, whole_steps(model, frozen=False)),
+            "host-driven step": (tree_drafter, None), "plain (compiled forward)": (make_drafter(model, "plain"), None)}
     if frozen_step.applies(model):
-        ways = {"whole step, frozen package": (tree, whole_steps(model, frozen=True)), **ways}
+        ways = {"whole step, frozen package": (tree_drafter, whole_steps(model, frozen=True)), **ways}
 
     def run(prompt: str, way: str, tokens: int):
         drafter, steps = ways[way]
-        with stepping(steps) if drafter is tree else nullcontext():
+        with stepping(steps) if drafter is tree_drafter else nullcontext():
             return generate(model, tokenizer, prompt, drafter, max_new_tokens=tokens)
 
     for way, (drafter, steps) in ways.items():
-        with stepping(steps) if drafter is tree else nullcontext():
+        with stepping(steps) if drafter is tree_drafter else nullcontext():
             warm_up(model, drafter, print)
         run(prompts[0], way, 32)
     results: dict[str, list] = {way: [] for way in ways}
@@ -94,6 +94,11 @@ def main() -> None:
         same = sum(a[3] == b[3] for a, b in zip(first, rows))
         print(f"| {way} | {statistics.median(r[0] for r in rows):.1f} | {statistics.median(r[1] for r in rows):.2f} "
               f"| {statistics.mean(r[2] for r in rows):.2f} | {same} of {len(rows)} |")
+    if frozen_step.applies(model):
+        sizes = [frozen_step.package_path(model, tree, tree_drafter.heads.tree.top_k, nodes is not None).stat().st_size
+                 for tree, nodes in step_trees(tree_drafter)]
+        print(f"\nThe frozen packages: {', '.join(f'{size / 1e6:.0f}' for size in sizes)} MB on disk, the backbone's "
+              f"weights {sum(p.numel() * p.element_size() for p in model.backbone.parameters()) / 1e6:.0f} MB")
     if args.profile:
         with torch.profiler.profile() as profiler:
             stats = run(prompts[0], next(iter(ways)), args.max_new_tokens).stats

@@ -5,9 +5,9 @@ and compiled by AOTInductor into one package on disk, which later processes load
 The products are most of a step (64% on this project's Xeon with AMX). oneDNN's packed bf16 products, which the
 in-process graphs of `static_step.py` call, stream the weights at about 14 GB/s there; inductor's own AMX
 micro-kernels, over weights it lays out itself when it compiles, do the same products in about half the time
-(docs/experiments.md). Inductor lays out only weights it sees as constants (`freezing`), and its disk cache does
-not keep such graphs (their laid-out constants do not pickle), so each process would spend minutes compiling
-again. An AOTInductor package keeps the compiled code and the laid-out weights together.
+(docs/experiments.md). Inductor lays out only weights it sees as constants, and its disk cache does not keep such
+graphs (their laid-out constants do not pickle), so each process would spend minutes compiling again. An
+AOTInductor package keeps the compiled code and the laid-out weights together.
 
 It applies where the micro-kernels pay and the packages fit: bf16 on a CPU with AMX tiles, backbones of up to 1 GB
 (`applies`); elsewhere the in-process graphs step. A package is named by a digest of the weights, the tree, this
@@ -23,6 +23,7 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Callable
 
@@ -39,10 +40,10 @@ logger = logging.getLogger(__name__)
 
 CONTEXT = 16  # the example step's context: the window and the cache's size are dynamic in the package
 PARTIAL, LOADING = "partial-", "loading-"  # a package being written; a folder a package is unpacked into
-# A package holds twice the weights and a process loads one per tree: 3.4 GB at its peak for the 270 MB default
-# with two trees, so a 7B model's would not fit this way
+# A package holds the weights laid out (1.5 times the bf16 weights with the heads) and a process loads one per tree:
+# `generate` peaks at 2.6 GB resident for the 270 MB default with two trees, so a 7B model's would not fit this way
 MAX_WEIGHT_BYTES = 1 << 30
-KEEP_BYTES = 4 << 30  # packages kept in the cache folder at most (a 135M model's is ~600 MB), the least recent go
+KEEP_BYTES = 4 << 30  # packages kept in the cache folder at most (a 135M model's is ~400 MB), the least recent go
 
 
 def applies(model: MedusaModel) -> bool:
@@ -65,9 +66,10 @@ class _Exportable(nn.Module):
         return self.step(root, hidden, chain, length, key_slots, kv)
 
 
-def _digest(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool) -> str:
-    """What a package is named by: the weights' bytes, the step's code, the tree, the software and the threads."""
-    digest = hashlib.blake2b(digest_size=16)
+def package_path(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool) -> Path:
+    """Where the package of `model`'s whole step on `tree` (with the n-gram branch if `chain`) is kept: named by a
+    digest of the weights, the step's code, the tree, the software and the threads."""
+    digest = hashlib.blake2b(_weights_digest(model), digest_size=16)
     modules = ("medusa_heads.fast_llama", "medusa_heads.inference.static_step", "medusa_heads.inference.frozen_step",
                "medusa_heads.inference.drafters.heads", "medusa_heads.inference.acceptance",
                type(model.heads).__module__)
@@ -77,10 +79,25 @@ def _digest(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool) -> s
     for part in (torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), tree.paths,
                  top_k, chain):
         digest.update(repr(part).encode())
-    for tensor in (*model.backbone.state_dict().values(), *model.heads.state_dict().values()):
+    return cache_home() / "steps" / f"{digest.hexdigest()}.pt2"
+
+
+_WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, bytes]]" = weakref.WeakKeyDictionary()
+
+
+def _weights_digest(model: MedusaModel) -> bytes:
+    """A digest of the bytes of `model`'s weights, hashed again only where a tensor changed since (about 0.3 s for
+    the default's 270 MB): a tensor's version counts its in-place writes."""
+    tensors = (*model.backbone.state_dict().values(), *model.heads.state_dict().values())
+    seen = tuple((t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for t in tensors)
+    if model in _WEIGHTS and _WEIGHTS[model][0] == seen:
+        return _WEIGHTS[model][1]
+    digest = hashlib.blake2b(digest_size=32)
+    for tensor in tensors:
         digest.update(repr((tensor.dtype, tuple(tensor.shape))).encode())
         digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
-    return digest.hexdigest()
+    _WEIGHTS[model] = seen, digest.digest()
+    return _WEIGHTS[model][1]
 
 
 def _export(model: MedusaModel, step: Callable, tree: TreeBuffers, chain_nodes: torch.Tensor | None,
@@ -102,7 +119,7 @@ def load_or_build(model: MedusaModel, tree: TreeBuffers, top_k: int, chain_nodes
     """The frozen package of `model`'s whole step on `tree` (with the n-gram branch at `chain_nodes`, if given),
     loaded from the cache folder, or built there first (again, where the one there does not load) from
     `plain_step()` (that `StaticStep` over plain weights); called as `StaticStep` is."""
-    path = cache_home() / "steps" / f"{_digest(model, tree, top_k, chain_nodes is not None)}.pt2"
+    path = package_path(model, tree, top_k, chain_nodes is not None)
     if path.exists():
         try:
             os.utime(path)  # recently used: `prune` keeps it
@@ -155,16 +172,17 @@ def _build(model: MedusaModel, tree: TreeBuffers, chain_nodes: torch.Tensor | No
     with torch.no_grad():
         program = _export(model, step, tree, chain_nodes, scratch_cache)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # freezing: the weights are constants, which inductor lays out for its micro-kernels; max_autotune: those
-    # kernels or ATen's, whichever times faster here for each product (its tables not printed)
-    options = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+    # The weights are the exported graph's constants, which inductor's C++ GEMM template lays out for its AMX
+    # micro-kernels (and then drops, where nothing else reads them: `plain_product`); max_autotune: those kernels
+    # or ATen's, whichever times faster here for each product (its tables not printed). Not `freezing`: its
+    # constant folding deletes a constant that another node of the graph still reads (torch 2.13).
+    options = {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                "emulate_precision_casts": True, "autotune_num_choices_displayed": 0,
                "max_autotune_report_choices_stats": False}
     handle, partial = tempfile.mkstemp(prefix=PARTIAL, suffix=".pt2", dir=path.parent)  # the compiler wants .pt2
     os.close(handle)
     try:
-        # under no_grad, freezing's constant folding breaks on a shared constant
-        with torch.enable_grad(), warnings.catch_warnings():
+        with torch.no_grad(), warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*(TypedStorage|LeafSpec)")  # torch's own deprecations
             torch._inductor.aoti_compile_and_package(program, package_path=partial, inductor_configs=options)
         os.replace(partial, path)  # whole or not at all: a stopped build leaves no package behind

@@ -243,10 +243,13 @@ def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = l
     whole = static_steps(model, drafter, acceptance)
     if whole is not None:
         if trees := whole.pending(drafter):
-            how = (" ahead of time, the weights laid out for this CPU: about 90 s a tree the first time"
-                   if whole.frozen else ": about 40 s a graph the first time")
-            say(f"compiling the whole decoding step of {len(trees)} tree{'s' * (len(trees) > 1)}{how}, then seconds "
-                "from the disk cache")
+            steps = f"the whole decoding step of {len(trees)} tree{'s' * (len(trees) > 1)}"
+            if whole.stored(drafter):
+                say(f"loading {steps}, compiled ahead of time, from the disk cache")
+            else:
+                how = (" ahead of time, the weights laid out for this CPU: about 90 s a tree the first time"
+                       if whole.frozen else ": about 40 s a graph the first time")
+                say(f"compiling {steps}{how}, then seconds from the disk cache")
             whole.warm_up(drafter)
         return
     taps = getattr(model.backbone, FEATURE_LAYERS, ())

@@ -103,6 +103,13 @@ class StaticSteps:
         top_k = heads_of(drafter).tree.top_k
         return [] if self.failed else [tree for tree, _ in step_trees(drafter) if (tree.paths, top_k) not in self.ready]
 
+    def stored(self, drafter: Drafter) -> bool:
+        """Whether every step `pending` lists for `drafter` is a frozen package on disk: loaded, not compiled."""
+        top_k = heads_of(drafter).tree.top_k
+        pending = {tree.paths for tree in self.pending(drafter)}
+        return self.frozen and all(frozen_step.package_path(self.model, tree, top_k, chain_nodes is not None).exists()
+                                   for tree, chain_nodes in step_trees(drafter) if tree.paths in pending)
+
     @torch.no_grad()
     def warm_up(self, drafter: Drafter) -> None:
         """Compile the steps of `drafter`'s trees now, each with a step over scratch buffers."""

@@ -77,27 +77,40 @@ def _mlp_projections(layer: nn.Module) -> list[nn.Linear]:
 
 
 class Product:
-    """`x @ weight.T + bias` [..., out_features] over a layer's own weights: a plain `weight`, or its oneDNN-packed
-    copy `packed` (then `weight` is None: one copy is enough)."""
+    """`x @ weight.T + bias` [..., out_features] over a layer's own weights: a plain `weight`, its oneDNN-packed copy
+    `packed`, or its transposed copy `transposed` (one copy each time: the others are None)."""
 
     def __init__(self, out_features: int, bias: torch.Tensor | None, weight: torch.Tensor | None = None,
-                 packed: torch.Tensor | None = None):
+                 packed: torch.Tensor | None = None, transposed: torch.Tensor | None = None):
         self.out_features, self.bias, self.weight, self.packed = out_features, bias, weight, packed
+        self.transposed = transposed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.transposed is not None:
+            y = x @ self.transposed
+            return y if self.bias is None else y + self.bias
         if self.packed is None:
             return F.linear(x, self.weight, self.bias)
         return packed_product(x, self.packed, self.bias)
 
 
+def plain_product(out_features: int, bias: torch.Tensor | None, weight: torch.Tensor) -> Product:
+    """A product over a transposed copy of `weight`: a graph compiled with its weights as constants lays that copy
+    out for its own kernels and drops it, where one over `weight` itself would keep `weight` too (its transpose is
+    a view of it) and so hold the weights twice."""
+    return Product(out_features, bias, transposed=weight.t().contiguous())
+
+
 def product(module: nn.Module, plain: bool = False) -> Product | nn.Module:
     """A linear layer's product, called without the module (its packed weight directly where it has one, unless
-    `plain`: then over its own weight, as a graph that lays weights out itself wants it); any other layer (a
-    quantized one, a member of a fused group) is called as it is."""
+    `plain`: then over a transposed copy of its weight, as a graph that lays weights out itself wants it,
+    `plain_product`); any other layer (a quantized one, a member of a fused group) is called as it is."""
     if type(module) not in ((nn.Linear, PackedLinear, SiblingLinear) if plain else (nn.Linear, PackedLinear)):
         return module
     bias = None if module.bias is None else module.bias.detach()
-    if type(module) is PackedLinear and not plain:
+    if plain:
+        return plain_product(module.out_features, bias, module.weight.detach())
+    if type(module) is PackedLinear:
         return Product(module.out_features, bias, packed=module.packed)
     return Product(module.out_features, bias, weight=module.weight.detach())
 
@@ -120,7 +133,7 @@ def stacked_product(members: list[nn.Module], plain: bool = False) -> Product | 
         return Concatenated(members)
     if plain:
         bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-        return Product(sum(m.out_features for m in members), bias, torch.cat([m.weight.detach() for m in members]))
+        return plain_product(sum(m.out_features for m in members), bias, torch.cat([m.weight.detach() for m in members]))
     siblings = getattr(members[0], "siblings", None)
     biases = [m.bias for m in members]
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])

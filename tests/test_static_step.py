@@ -141,7 +141,9 @@ def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folde
     monkeypatch.setenv("MEDUSA_HEADS_HOME", str(tmp_path))
     monkeypatch.setattr(frozen_step, "applies", lambda model: True)
     model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
-    warm_up(model, drafter_of(model, "medusa"))
+    said = []
+    warm_up(model, drafter_of(model, "medusa"), said.append)
+    assert said[0].startswith("compiling the whole decoding step of 1 tree ahead of time")
     steps = static_steps(model, drafter_of(model, "medusa"))
     assert steps.frozen and len(steps.graphs) == 1 and steps.pending(drafter_of(model, "medusa")) == []
     package, = (tmp_path / "steps").glob("*.pt2")
@@ -161,9 +163,23 @@ def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folde
 
     monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", no_compiling)
     loaded = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
+    said = []
+    warm_up(loaded, drafter_of(loaded, "medusa"), said.append)
+    assert said == ["loading the whole decoding step of 1 tree, compiled ahead of time, from the disk cache"]
     assert greedy(loaded, "medusa") == (ours, our_lengths)
     assert static_steps(loaded, drafter_of(loaded, "medusa")).frozen
     assert list((tmp_path / "steps").iterdir()) == [package]  # loading unpacked it into a folder since deleted
+
+
+def test_a_package_is_named_by_the_weights_as_they_are_now(heads_folder):
+    model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
+    tree = drafter_of(model, "medusa").tree
+    named = frozen_step.package_path(model, tree, tree.top_k, chain=False)
+    assert frozen_step.package_path(model, tree, tree.top_k, chain=False) == named
+    assert frozen_step.package_path(model, tree, tree.top_k, chain=True) != named
+    with torch.no_grad():
+        model.backbone.model.norm.weight[0] += 1  # changed in place, after its digest was kept
+    assert frozen_step.package_path(model, tree, tree.top_k, chain=False) != named
 
 
 def test_the_package_folder_keeps_the_most_recently_used_within_its_limit(tmp_path):
