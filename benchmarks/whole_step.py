@@ -1,9 +1,9 @@
 r"""
-The whole tree step as one compiled graph, as a frozen package compiled ahead of time (`frozen_step.py`, where the
-CPU has AMX) and as an in-process graph over oneDNN's packed products (`static_step.py`), against the same step
-driven from the host around the compiled forward (`decode_step`), and plain decoding through the compiled forward,
-side by side in one process: the default configuration (the shipped Hydra heads, `medusa+ngram` on
-`hydra-cpu-6`), prompts interleaved.
+The whole step as one compiled graph, as a frozen package compiled ahead of time (`frozen_step.py`, where the CPU
+has AMX) and as an in-process graph over oneDNN's packed products (`static_step.py`), against the same step driven
+from the host around the compiled forward (`decode_step`), side by side in one process, prompts interleaved: for
+the default configuration (the shipped Hydra heads, `medusa+ngram` on `hydra-cpu-6`) and for plain decoding (the
+step of the root alone).
 
     python benchmarks/whole_step.py --prompts 16 --dtype bfloat16
 
@@ -16,7 +16,7 @@ import argparse
 import importlib
 import json
 import statistics
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from medusa_heads import MedusaModel
 from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.inference import frozen_step, generate, make_drafter, warm_up
-from medusa_heads.inference.static_step import StaticSteps, step_trees
+from medusa_heads.inference.static_step import StaticSteps, heads_of, step_trees
 
 PROMPTS = Path(__file__).parent / "prompts.jsonl"
 generate_module = importlib.import_module("medusa_heads.inference.generate")  # the package exports a function so named
@@ -63,19 +63,23 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model.backbone.name_or_path)
     rows = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
     prompts = rows[:: max(len(rows) // args.prompts, 1)][: args.prompts]
-    tree_drafter = make_drafter(model, "medusa+ngram", tree=args.tree)
-    ways = {"whole step, in-process graph": (tree_drafter, whole_steps(model, frozen=False)),
-            "host-driven step": (tree_drafter, None), "plain (compiled forward)": (make_drafter(model, "plain"), None)}
-    if frozen_step.applies(model):
-        ways = {"whole step, frozen package": (tree_drafter, whole_steps(model, frozen=True)), **ways}
+    tree_drafter, plain = make_drafter(model, "medusa+ngram", tree=args.tree), make_drafter(model, "plain")
+    frozen = frozen_step.applies(model)
+    ways = {"whole step, frozen package": (tree_drafter, whole_steps(model, frozen=True)),
+            "whole step, in-process graph": (tree_drafter, whole_steps(model, frozen=False)),
+            "host-driven step": (tree_drafter, None),
+            "plain, whole step, frozen package": (plain, whole_steps(model, frozen=True)),
+            "plain, whole step, in-process graph": (plain, whole_steps(model, frozen=False)),
+            "plain, host-driven (the compiled forward)": (plain, None)}
+    ways = {way: spec for way, spec in ways.items() if frozen or "frozen" not in way}
 
     def run(prompt: str, way: str, tokens: int):
         drafter, steps = ways[way]
-        with stepping(steps) if drafter is tree_drafter else nullcontext():
+        with stepping(steps):
             return generate(model, tokenizer, prompt, drafter, max_new_tokens=tokens)
 
     for way, (drafter, steps) in ways.items():
-        with stepping(steps) if drafter is tree_drafter else nullcontext():
+        with stepping(steps):
             warm_up(model, drafter, print)
         run(prompts[0], way, 32)
     results: dict[str, list] = {way: [] for way in ways}
@@ -94,9 +98,9 @@ def main() -> None:
         same = sum(a[3] == b[3] for a, b in zip(first, rows))
         print(f"| {way} | {statistics.median(r[0] for r in rows):.1f} | {statistics.median(r[1] for r in rows):.2f} "
               f"| {statistics.mean(r[2] for r in rows):.2f} | {same} of {len(rows)} |")
-    if frozen_step.applies(model):
-        sizes = [frozen_step.package_path(model, tree, tree_drafter.heads.tree.top_k, nodes is not None).stat().st_size
-                 for tree, nodes in step_trees(tree_drafter)]
+    if frozen:
+        sizes = [frozen_step.package_path(model, tree, heads_of(drafter).tree.top_k, nodes is not None).stat().st_size
+                 for drafter in (tree_drafter, plain) for tree, nodes in step_trees(drafter)]
         print(f"\nThe frozen packages: {', '.join(f'{size / 1e6:.0f}' for size in sizes)} MB on disk, the backbone's "
               f"weights {sum(p.numel() * p.element_size() for p in model.backbone.parameters()) / 1e6:.0f} MB")
     if args.profile:

@@ -11,8 +11,8 @@ The host's part is the n-gram branch (prompt lookup needs the tokens, which it r
 the bookkeeping of lengths.
 
 It applies where the backbone decodes through a `CompiledLlama`, the drafter is a `MedusaDrafter` (Medusa or
-Hydra heads) alone or with an n-gram branch (`MedusaNgramDrafter`), acceptance is greedy and one sequence is
-decoded; everything else takes `decode_step`, which computes the same tokens. In bf16 on a CPU with AMX, each
+Hydra heads) alone or with an n-gram branch (`MedusaNgramDrafter`), or a `PlainDrafter` (plain decoding is the
+step of a tree of the root alone), acceptance is greedy and one sequence is decoded; everything else takes `decode_step`, which computes the same tokens. In bf16 on a CPU with AMX, each
 tree's graph is a package compiled ahead of time with the weights laid out for inductor's own products
 (`frozen_step.py`), and an in-process graph only where that fails.
 """
@@ -36,6 +36,7 @@ from . import frozen_step
 from .draft import Acceptance, DecodeState, Drafter
 from .drafters.heads import HeadsDraft, MedusaDrafter
 from .drafters.ngram import MedusaNgramDrafter
+from .drafters.plain import PlainDrafter
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ class StaticStep:
                  chain_nodes: torch.Tensor | None, linears: str):
         self.fast, self.tree, self.chain_nodes = fast, tree, chain_nodes
         self.size = tree.size  # dynamo does not trace `TreeBuffers`' properties (`tree/` reads as the `tree` package)
-        self.draft = HeadsDraft(model, tree, top_k, linears)
+        self.draft = HeadsDraft(model, tree, top_k, linears) if tree.size > 1 else None  # the root alone: plain
         device = tree.depth.device
         self.node_slots = torch.arange(tree.size, device=device)
         self.path_slots = torch.arange(tree.max_depth + 1, device=device)
@@ -65,7 +66,7 @@ class StaticStep:
     def __call__(self, root: torch.Tensor, hidden: torch.Tensor, chain: torch.Tensor | None, length: torch.Tensor,
                  key_slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]):
         tree = self.tree
-        tokens = self.draft(hidden, root)
+        tokens = root if self.draft is None else self.draft(hidden, root)
         if chain is not None:
             tokens = tokens.index_copy(0, self.chain_nodes, chain)
         # Each node sees the cache's entries and its ancestors: [T, window]
@@ -171,7 +172,8 @@ class StaticSteps:
 
 
 def heads_of(drafter: Drafter) -> Drafter:
-    """The drafter whose heads fill the tree: `drafter`, or the one an n-gram drafter holds."""
+    """The drafter whose heads fill the tree (none: a `PlainDrafter`'s root alone): `drafter`, or the one an n-gram
+    drafter holds."""
     return drafter.heads if type(drafter) is MedusaNgramDrafter else drafter
 
 
@@ -183,8 +185,9 @@ def static_steps(model: MedusaModel, drafter: Drafter, acceptance: Acceptance | 
     apply (see the module's docstring); else None."""
     compiled = getattr(model.backbone, FAST_FORWARD, None)
     heads = heads_of(drafter)
-    if (not isinstance(compiled, CompiledLlama) or compiled.failed or type(heads) is not MedusaDrafter
-            or (acceptance is not None and type(acceptance) is not GreedyAcceptance) or heads.model is not model):
+    if (not isinstance(compiled, CompiledLlama) or compiled.failed
+            or (acceptance is not None and type(acceptance) is not GreedyAcceptance)
+            or not (type(heads) is PlainDrafter or type(heads) is MedusaDrafter and heads.model is model)):
         return None
     steps = _STATIC_STEPS.get(model.heads)
     if steps is None or steps.compiled is not compiled:

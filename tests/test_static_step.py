@@ -68,7 +68,9 @@ def prompts() -> list[torch.Tensor]:
 
 
 def drafter_of(model: MedusaModel, name: str):
-    """`name` (`medusa` or `medusa+ngram`) over a tree 4 deep, the chain 3 long."""
+    """`name` (`medusa` or `medusa+ngram` over a tree 4 deep, the chain 3 long; or `plain`)."""
+    if name == "plain":
+        return make_drafter(model, name)
     return make_drafter(model, name, tree="cpu-8", **({"draft_length": 3} if "ngram" in name else {}))
 
 
@@ -83,7 +85,7 @@ def greedy(model: MedusaModel, name: str) -> tuple[list[list[int]], list[list[in
     return tokens, lengths
 
 
-@pytest.mark.parametrize("name", ["medusa", "medusa+ngram"])
+@pytest.mark.parametrize("name", ["medusa", "medusa+ngram", "plain"])
 def test_whole_step_graphs_decode_hf_greedy_as_the_host_driven_step(heads_folder, name):
     compiled = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
     eager = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
@@ -100,8 +102,11 @@ def test_whole_step_graphs_decode_hf_greedy_as_the_host_driven_step(heads_folder
     assert len(steps.graphs) == (2 if name == "medusa+ngram" else 1)
     assert ours == theirs == [hf_greedy(compiled.backbone, ids, NEW_TOKENS) for ids in prompts()]
     assert our_lengths == their_lengths
-    assert any(n > 1 for lengths in our_lengths for n in lengths)  # drafts were accepted, and some rejected
-    assert any(n == 1 for lengths in our_lengths for n in lengths)
+    if name == "plain":  # the root's step: one token each
+        assert all(n == 1 for lengths in our_lengths for n in lengths)
+    else:  # drafts were accepted, and some rejected
+        assert any(n > 1 for lengths in our_lengths for n in lengths)
+        assert any(n == 1 for lengths in our_lengths for n in lengths)
 
 
 def test_a_step_that_cannot_compile_runs_the_same_function_eagerly(heads_folder, monkeypatch, caplog):
@@ -157,6 +162,10 @@ def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folde
         rebuilt = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
         assert greedy(rebuilt, "medusa") == (ours, our_lengths)
     assert "does not load" in caplog.text and package.stat().st_size > 1000
+    plain, _ = greedy(model, "plain")  # plain decoding: the step of the root alone, a package of its own
+    assert plain == [hf_greedy(model.backbone, ids, NEW_TOKENS) for ids in prompts()]
+    packages = sorted((tmp_path / "steps").iterdir())
+    assert len(packages) == 2 and package in packages
 
     def no_compiling(*args, **kwargs):
         raise AssertionError("compiled again")
@@ -168,7 +177,7 @@ def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folde
     assert said == ["loading the whole decoding step of 1 tree, compiled ahead of time, from the disk cache"]
     assert greedy(loaded, "medusa") == (ours, our_lengths)
     assert static_steps(loaded, drafter_of(loaded, "medusa")).frozen
-    assert list((tmp_path / "steps").iterdir()) == [package]  # loading unpacked it into a folder since deleted
+    assert sorted((tmp_path / "steps").iterdir()) == packages  # loading unpacked it into a folder since deleted
 
 
 def test_a_package_is_named_by_the_weights_as_they_are_now(heads_folder):

@@ -37,8 +37,8 @@ class TreeBuffers:
 
     @property
     def top_k(self) -> int:
-        """How many candidates per head the tree needs."""
-        return 1 + max(p[-1] for p in self.paths)
+        """How many candidates per head the tree needs (none for the root alone)."""
+        return 1 + max((p[-1] for p in self.paths), default=-1)
 
 
 def build_tree(paths, device: str | torch.device = "cpu") -> TreeBuffers:
