@@ -68,11 +68,15 @@ class _Exportable(nn.Module):
 
 def package_path(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool) -> Path:
     """Where the package of `model`'s whole step on `tree` (with the n-gram branch if `chain`) is kept: named by a
-    digest of the weights, the step's code, the tree, the software and the threads."""
-    digest = hashlib.blake2b(_weights_digest(model), digest_size=16)
-    modules = ("medusa_heads.fast_llama", "medusa_heads.inference.static_step", "medusa_heads.inference.frozen_step",
-               "medusa_heads.inference.drafters.heads", "medusa_heads.inference.acceptance",
-               type(model.heads).__module__)
+    digest of the weights, the step's code, the tree, the software and the threads. The root alone (plain decoding)
+    has no drafting: its package is the backbone's whatever the heads."""
+    drafts = tree.size > 1
+    digest = hashlib.blake2b(_weights_digest(model.backbone), digest_size=16)
+    modules = ["medusa_heads.fast_llama", "medusa_heads.inference.static_step", "medusa_heads.inference.frozen_step",
+               "medusa_heads.inference.acceptance"]
+    if drafts:
+        digest.update(_weights_digest(model.heads))
+        modules += ["medusa_heads.inference.drafters.heads", type(model.heads).__module__]
     for name in modules:
         digest.update(Path(sys.modules[name].__file__).read_bytes())
     # the thread count too: inductor's products split their work among the threads it compiles for
@@ -85,19 +89,19 @@ def package_path(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool)
 _WEIGHTS: "weakref.WeakKeyDictionary[nn.Module, tuple[tuple, bytes]]" = weakref.WeakKeyDictionary()
 
 
-def _weights_digest(model: MedusaModel) -> bytes:
-    """A digest of the bytes of `model`'s weights, hashed again only where a tensor changed since (about 0.3 s for
+def _weights_digest(module: nn.Module) -> bytes:
+    """A digest of the bytes of `module`'s weights, hashed again only where a tensor changed since (about 0.3 s for
     the default's 270 MB): a tensor's version counts its in-place writes."""
-    tensors = (*model.backbone.state_dict().values(), *model.heads.state_dict().values())
+    tensors = module.state_dict().values()
     seen = tuple((t.data_ptr(), t._version, t.dtype, tuple(t.shape)) for t in tensors)
-    if model in _WEIGHTS and _WEIGHTS[model][0] == seen:
-        return _WEIGHTS[model][1]
+    if module in _WEIGHTS and _WEIGHTS[module][0] == seen:
+        return _WEIGHTS[module][1]
     digest = hashlib.blake2b(digest_size=32)
     for tensor in tensors:
         digest.update(repr((tensor.dtype, tuple(tensor.shape))).encode())
         digest.update(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy())
-    _WEIGHTS[model] = seen, digest.digest()
-    return _WEIGHTS[model][1]
+    _WEIGHTS[module] = seen, digest.digest()
+    return _WEIGHTS[module][1]
 
 
 def _export(model: MedusaModel, step: Callable, tree: TreeBuffers, chain_nodes: torch.Tensor | None,

@@ -182,13 +182,19 @@ def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folde
 
 def test_a_package_is_named_by_the_weights_as_they_are_now(heads_folder):
     model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
-    tree = drafter_of(model, "medusa").tree
-    named = frozen_step.package_path(model, tree, tree.top_k, chain=False)
-    assert frozen_step.package_path(model, tree, tree.top_k, chain=False) == named
-    assert frozen_step.package_path(model, tree, tree.top_k, chain=True) != named
-    with torch.no_grad():
-        model.backbone.model.norm.weight[0] += 1  # changed in place, after its digest was kept
-    assert frozen_step.package_path(model, tree, tree.top_k, chain=False) != named
+    tree, root = drafter_of(model, "medusa").tree, drafter_of(model, "plain").tree
+
+    def names():
+        return [frozen_step.package_path(model, t, t.top_k, chain=False) for t in (tree, root)]
+
+    named, plain = names()
+    assert names() == [named, plain] and frozen_step.package_path(model, tree, tree.top_k, chain=True) != named
+    with torch.no_grad():  # changed in place, after their digests were kept
+        next(model.heads.parameters()).view(-1)[0] += 1
+        assert names()[0] != named and names()[1] == plain  # plain decoding does not draft
+        named = names()[0]
+        model.backbone.model.norm.weight[0] += 1
+    assert names()[0] != named and names()[1] != plain
 
 
 def test_the_package_folder_keeps_the_most_recently_used_within_its_limit(tmp_path):
