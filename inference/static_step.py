@@ -12,9 +12,10 @@ the bookkeeping of lengths.
 
 It applies where the backbone decodes through a `CompiledLlama`, the drafter is a `MedusaDrafter` (Medusa or
 Hydra heads) alone or with an n-gram branch (`MedusaNgramDrafter`), or a `PlainDrafter` (plain decoding is the
-step of a tree of the root alone), acceptance is greedy and one sequence is decoded; everything else takes `decode_step`, which computes the same tokens. In bf16 on a CPU with AMX, each
-tree's graph is a package compiled ahead of time with the weights laid out for inductor's own products
-(`frozen_step.py`), and an in-process graph only where that fails.
+step of a tree of the root alone), acceptance is greedy and one sequence is decoded; everything else takes
+`decode_step`, which computes the same tokens. In bf16 on a CPU with AMX, each tree's graph is a package compiled
+ahead of time with the weights laid out for inductor's own products (`frozen_step.py`), and an in-process graph
+only where that fails.
 """
 
 import logging

@@ -133,7 +133,8 @@ def stacked_product(members: list[nn.Module], plain: bool = False) -> Product | 
         return Concatenated(members)
     if plain:
         bias = None if members[0].bias is None else torch.cat([m.bias.detach() for m in members])
-        return plain_product(sum(m.out_features for m in members), bias, torch.cat([m.weight.detach() for m in members]))
+        weight = torch.cat([m.weight.detach() for m in members])
+        return plain_product(sum(m.out_features for m in members), bias, weight)
     siblings = getattr(members[0], "siblings", None)
     biases = [m.bias for m in members]
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
