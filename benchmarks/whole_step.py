@@ -23,6 +23,7 @@ import torch
 from transformers import AutoTokenizer
 
 from medusa_heads import MedusaModel
+from medusa_heads.backbone import weight_bytes
 from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.inference import frozen_step, generate, make_drafter, warm_up
 from medusa_heads.inference.static_step import StaticSteps, heads_of, step_trees
@@ -102,7 +103,7 @@ def main() -> None:
         sizes = [frozen_step.package_path(model, tree, heads_of(drafter).tree.top_k, nodes is not None).stat().st_size
                  for drafter in (tree_drafter, plain) for tree, nodes in step_trees(drafter)]
         print(f"\nThe frozen packages: {', '.join(f'{size / 1e6:.0f}' for size in sizes)} MB on disk, the backbone's "
-              f"weights {sum(p.numel() * p.element_size() for p in model.backbone.parameters()) / 1e6:.0f} MB")
+              f"weights {weight_bytes(model.backbone) / 1e6:.0f} MB")
     if args.profile:
         with torch.profiler.profile() as profiler:
             stats = run(prompts[0], next(iter(ways)), args.max_new_tokens).stats

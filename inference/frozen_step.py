@@ -30,7 +30,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from medusa_heads.backbone import cache_home, first_line
+from medusa_heads.backbone import cache_home, first_line, weight_bytes
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
 
@@ -50,7 +50,7 @@ def applies(model: MedusaModel) -> bool:
     """Whether `model`'s whole steps take frozen packages: bf16 on a CPU with AMX, a backbone of at most
     `MAX_WEIGHT_BYTES`."""
     like = model.backbone.get_input_embeddings().weight
-    size = sum(p.numel() * p.element_size() for p in model.backbone.parameters())
+    size = weight_bytes(model.backbone)
     amx = getattr(torch._C._cpu, "_init_amx", lambda: False)  # asks the kernel for the tiles; False without them
     return like.device.type == "cpu" and like.dtype == torch.bfloat16 and size <= MAX_WEIGHT_BYTES and amx()
 

@@ -145,6 +145,11 @@ def load_tokenizer(name_or_path: str = EMBEDDED_MODEL, gguf_file: str | None = N
         raise MedusaError(f"Cannot load the tokenizer of `{name_or_path}`: {first_line(err)}") from err
 
 
+def weight_bytes(module: torch.nn.Module) -> int:
+    """The bytes of `module`'s parameters."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
 def first_line(err: BaseException) -> str:
     """The line of an error message that says what is wrong (huggingface_hub's validation errors put it last)."""
     lines = [line.strip() for line in str(err).strip().splitlines() if line.strip()]

@@ -23,7 +23,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from medusa_heads.backbone import EMBEDDED_GGUF, _embedded_gguf_folder, load_backbone
+from medusa_heads.backbone import EMBEDDED_GGUF, _embedded_gguf_folder, load_backbone, weight_bytes
 from medusa_heads.device import cpu_features, device_name
 from medusa_heads.errors import MedusaError, read_jsonl
 from medusa_heads.fast_llama import FAST_FORWARD
@@ -48,10 +48,6 @@ class Run:
 
 
 MB = 2**20
-
-
-def weight_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 class DraftModels:
