@@ -3,9 +3,12 @@ The whole step as one compiled graph, as a frozen package compiled ahead of time
 has AMX) and as an in-process graph over oneDNN's packed products (`static_step.py`), against the same step driven
 from the host around the compiled forward (`decode_step`), side by side in one process, prompts interleaved: for
 the default configuration (the shipped Hydra heads, `medusa+ngram` on `hydra-cpu-6`) and for plain decoding (the
-step of the root alone).
+step of the root alone); or for other heads, as the tuned EAGLE-3 configuration; on a GPU, the whole step replayed
+as CUDA graphs (`captured_step.py`) against the host-driven step:
 
     python benchmarks/whole_step.py --prompts 16 --dtype bfloat16
+    python benchmarks/whole_step.py --heads smollm2-135m-embedded-eagle3 --tree eagle3-bf16-8 --quantize-drafter int8
+    python benchmarks/whole_step.py --device cuda --tree medusa-63
 
 For each way: tokens/s and ms a step (medians over prompts), tokens a step, and how many answers equal the
 first row's (greedy: every way gives the backbone's greedy answer, up to bf16 rounding in the forward). With
@@ -29,6 +32,7 @@ from medusa_heads.inference import frozen_step, generate, make_drafter, warm_up
 from medusa_heads.inference.static_step import StaticSteps, heads_of, step_trees
 
 PROMPTS = Path(__file__).parent / "prompts.jsonl"
+PRETRAINED = Path(__file__).parents[1] / "medusa_heads" / "pretrained"
 generate_module = importlib.import_module("medusa_heads.inference.generate")  # the package exports a function so named
 
 
@@ -54,24 +58,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=16, help="benchmark prompts, spread over the categories")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the whole step replayed as CUDA graphs")
+    parser.add_argument("--heads", help="a folder of medusa_heads/pretrained/, or any heads folder (default: the "
+                        "heads shipped for the model)")
+    parser.add_argument("--quantize-drafter", default="none", choices=["none", "int8", "int4"])
     parser.add_argument("--tree", default="hydra-cpu-6")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--profile", action="store_true", help="then profile the whole step over one answer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = MedusaModel.from_pretrained(dtype=args.dtype, compile_step="auto")
+    heads = args.heads and (PRETRAINED / args.heads if (PRETRAINED / args.heads).is_dir() else args.heads)
+    model = MedusaModel.from_pretrained(heads, dtype=args.dtype, device=args.device, compile_step="auto",
+                                        quantize_drafter=args.quantize_drafter)
     tokenizer = AutoTokenizer.from_pretrained(model.backbone.name_or_path)
     rows = [json.loads(line)["prompt"] for line in PROMPTS.read_text().splitlines()]
     prompts = rows[:: max(len(rows) // args.prompts, 1)][: args.prompts]
     tree_drafter, plain = make_drafter(model, "medusa+ngram", tree=args.tree), make_drafter(model, "plain")
     frozen = frozen_step.applies(model)
+    graph = "CUDA graph" if args.device.startswith("cuda") else "in-process graph"
     ways = {"whole step, frozen package": (tree_drafter, whole_steps(model, frozen=True)),
-            "whole step, in-process graph": (tree_drafter, whole_steps(model, frozen=False)),
+            f"whole step, {graph}": (tree_drafter, whole_steps(model, frozen=False)),
             "host-driven step": (tree_drafter, None),
             "plain, whole step, frozen package": (plain, whole_steps(model, frozen=True)),
-            "plain, whole step, in-process graph": (plain, whole_steps(model, frozen=False)),
-            "plain, host-driven (the compiled forward)": (plain, None)}
+            f"plain, whole step, {graph}": (plain, whole_steps(model, frozen=False)),
+            "plain, host-driven (the forward alone)": (plain, None)}
     ways = {way: spec for way, spec in ways.items() if frozen or "frozen" not in way}
 
     def run(prompt: str, way: str, tokens: int):

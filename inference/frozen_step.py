@@ -34,11 +34,11 @@ from medusa_heads.backbone import cache_home, first_line, weight_bytes
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
 
-from .cache import round_up
+from .cache import BUCKET
 
 logger = logging.getLogger(__name__)
 
-CONTEXT = 16  # the example step's context: the window and the cache's size are dynamic in the package
+CONTEXT = 16  # the example step's context: the windows and the caches' sizes are dynamic in the package
 PARTIAL, LOADING = "partial-", "loading-"  # a package being written; a folder a package is unpacked into
 # A package holds the weights laid out (1.5 times the bf16 weights with the heads) and a process loads one per tree:
 # `generate` peaks at 2.6 GB resident for the 270 MB default with two trees, so a 7B model's would not fit this way
@@ -62,8 +62,8 @@ class _Exportable(nn.Module):
         super().__init__()
         self.step = step
 
-    def forward(self, root, hidden, chain, length, key_slots, kv):
-        return self.step(root, hidden, chain, length, key_slots, kv)
+    def forward(self, root, state, chain, length, key_slots, kv, own_cache):
+        return self.step(root, state, chain, length, key_slots, kv, own_cache)
 
 
 def package_path(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool) -> Path:
@@ -76,7 +76,8 @@ def package_path(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool)
                "medusa_heads.inference.acceptance"]
     if drafts:
         digest.update(_weights_digest(model.heads))
-        modules += ["medusa_heads.inference.drafters.heads", type(model.heads).__module__]
+        modules += ["medusa_heads.inference.drafters.heads", "medusa_heads.inference.drafters.eagle3_tree",
+                    "medusa_heads.fast_eagle3", type(model.heads).__module__]
     for name in modules:
         digest.update(Path(sys.modules[name].__file__).read_bytes())
     # the thread count too: inductor's products split their work among the threads it compiles for
@@ -104,33 +105,35 @@ def _weights_digest(module: nn.Module) -> bytes:
     return _WEIGHTS[module][1]
 
 
-def _export(model: MedusaModel, step: Callable, tree: TreeBuffers, chain_nodes: torch.Tensor | None,
-            scratch_cache: Callable[[int], list]) -> torch.export.ExportedProgram:
-    like = model.backbone.get_input_embeddings().weight
-    window = round_up(CONTEXT + tree.size)
-    kv = scratch_cache(window)
-    chain = None if chain_nodes is None else chain_nodes.new_zeros(chain_nodes.shape)
-    args = (like.new_zeros(1, dtype=torch.long), like.new_zeros(like.shape[1]), chain,
-            torch.tensor([CONTEXT], device=like.device), torch.arange(window, device=like.device), kv)
-    cache = torch.export.Dim("cache", min=window, max=1 << 24)
-    window_dim = torch.export.Dim("window", min=tree.size + 1, max=1 << 24)
-    shapes = (None, None, None, None, {0: window_dim}, [({2: cache}, {2: cache}) for _ in kv])
+def _export(step: Callable, tree: TreeBuffers, args: tuple) -> torch.export.ExportedProgram:
+    """`step` on `tree` exported for arguments like `args` (`StaticSteps.scratch_args`), over any window and cache
+    size."""
+    root, state, chain, length, key_slots, kv, own_cache = args
+    cache = torch.export.Dim("cache", min=key_slots.shape[0], max=1 << 24)
+    window = torch.export.Dim("window", min=tree.size + 1, max=1 << 24)
+    own = ()
+    if own_cache:  # the drafter's key slots, keys and values; its windows are rounded up to buckets
+        own_window = torch.export.Dim("own_window", min=BUCKET, max=1 << 24)
+        own_size = torch.export.Dim("own_size", min=own_cache[0].shape[0], max=1 << 24)
+        own = ({0: own_window}, {2: own_size}, {2: own_size})
+    shapes = (None, (None,) * len(state), None, None, {0: window}, [({2: cache}, {2: cache}) for _ in kv],
+              own)
     return torch.export.export(_Exportable(step), args, dynamic_shapes=shapes)
 
 
-def load_or_build(model: MedusaModel, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None,
-                  scratch_cache: Callable[[int], list], plain_step: Callable[[], Callable]) -> Callable:
-    """The frozen package of `model`'s whole step on `tree` (with the n-gram branch at `chain_nodes`, if given),
-    loaded from the cache folder, or built there first (again, where the one there does not load) from
-    `plain_step()` (that `StaticStep` over plain weights); called as `StaticStep` is."""
-    path = package_path(model, tree, top_k, chain_nodes is not None)
+def load_or_build(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool,
+                  plain_step: Callable[[], tuple[Callable, tuple]]) -> Callable:
+    """The frozen package of `model`'s whole step on `tree` (with the n-gram branch if `chain`), loaded from the
+    cache folder, or built there first (again, where the one there does not load) from `plain_step()`: that
+    `StaticStep` over plain weights and example arguments; called as `StaticStep` is."""
+    path = package_path(model, tree, top_k, chain)
     if path.exists():
         try:
             os.utime(path)  # recently used: `prune` keeps it
             return _load(path)
         except Exception as err:  # a truncated or foreign file: its loader's errors have no common base
             logger.warning("%s does not load (%s): compiling it again", path, first_line(err))
-    _build(model, tree, chain_nodes, scratch_cache, plain_step(), path)
+    _build(tree, *plain_step(), path)
     prune(path.parent, keep=path)
     return _load(path)
 
@@ -169,12 +172,11 @@ def prune(folder: Path, keep: Path, limit: int = KEEP_BYTES) -> None:
             package.unlink(missing_ok=True)
 
 
-def _build(model: MedusaModel, tree: TreeBuffers, chain_nodes: torch.Tensor | None,
-           scratch_cache: Callable[[int], list], step: Callable, path: Path) -> None:
+def _build(tree: TreeBuffers, step: Callable, args: tuple, path: Path) -> None:
     logger.info("Compiling the whole step of a %d-node tree ahead of time, its weights laid out for this CPU: a few "
                 "minutes once, then loaded from %s", tree.size, path.parent)
     with torch.no_grad():
-        program = _export(model, step, tree, chain_nodes, scratch_cache)
+        program = _export(step, tree, args)
     path.parent.mkdir(parents=True, exist_ok=True)
     # The weights are the exported graph's constants, which inductor's C++ GEMM template lays out for its AMX
     # micro-kernels (and then drops, where nothing else reads them: `plain_product`); max_autotune: those kernels

@@ -395,7 +395,8 @@ def decode(model: MedusaModel, requests: Sequence[Request], eos_token_ids: Seque
 
     stepper = None  # one sequence of a drafter and rule that one graph steps (`static_step.py`)
     if len(rows) == 1 and (steps := static_steps(model, rows[0].request.drafter, rows[0].request.acceptance)):
-        stepper = StaticStepper(steps, rows[0].request.drafter, cache, rows[0].sequence[-1], rows[0].hidden[-1])
+        stepper = StaticStepper(steps, rows[0].request.drafter, cache, rows[0].sequence[-1], rows[0].hidden,
+                                rows[0].request.input_ids)
     start = time.perf_counter()
     while True:
         if finished:

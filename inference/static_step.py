@@ -25,16 +25,19 @@ from typing import Callable
 
 import torch
 
-from medusa_heads.backbone import first_line
+from medusa_heads.backbone import FEATURE_LAYERS, first_line
 from medusa_heads.compiled_llama import CompiledLlama, call_graph, compile_step, mark_cache_dynamic
+from medusa_heads.fast_eagle3 import FastEagle3, fast_eagle3_supports
 from medusa_heads.fast_llama import FAST_FORWARD, FastLlama
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
 
 from .acceptance import GreedyAcceptance
-from .cache import TreeCache, round_up
+from .cache import BUCKET, TreeCache, round_up
+from .captured_step import CapturedStep
 from . import frozen_step
 from .draft import Acceptance, DecodeState, Drafter
+from .drafters.eagle3_tree import FRESH_ROWS, Eagle3TreeDrafter, TreeDraft, tree_drafts
 from .drafters.heads import HeadsDraft, MedusaDrafter
 from .drafters.ngram import MedusaNgramDrafter
 from .drafters.plain import PlainDrafter
@@ -45,38 +48,48 @@ logger = logging.getLogger(__name__)
 class StaticStep:
     r"""
     One tree step of a batch of one as a function of tensors, for the static tree `tree` (its nodes `chain_nodes`
-    taking the n-gram branch's tokens, if given).
+    taking the n-gram branch's tokens, if given), drafted by `draft` (a `HeadsDraft`; None for the root alone).
 
-    (root [1], the hidden state that predicted it [H], the chain's tokens [L] or None, the cache's length [1],
-    key slots [window] (0, 1, ... : the attention window), per layer (keys, values) [1, H_kv, S, D])
+    (root [1], state: (the hidden state that predicted the root [H],), the chain's tokens [L] or None, the cache's
+    length [1], key slots [window] (0, 1, ... : the attention window), per layer (keys, values) [1, H_kv, S, D], the
+    drafter's own cache: ())
     -> (what the host reads: accepted path [D + 1] (node ids, padded), its tokens [D + 1], accepted length, bonus;
-    the next root [1]; its hidden state [H]; the cache's next length [1]).
+    the next root [1]; the next state; the cache's next length [1]).
     The tree's entries are written at slots length, length + 1, ...; the accepted path's entries then move down to
     follow the cache's.
     """
 
-    def __init__(self, model: MedusaModel, fast: FastLlama, tree: TreeBuffers, top_k: int,
-                 chain_nodes: torch.Tensor | None, linears: str):
-        self.fast, self.tree, self.chain_nodes = fast, tree, chain_nodes
+    def __init__(self, fast: FastLlama, tree: TreeBuffers, chain_nodes: torch.Tensor | None,
+                 draft: Callable | None, taps: tuple[int, ...] = ()):
+        self.fast, self.tree, self.chain_nodes, self.draft, self.taps = fast, tree, chain_nodes, draft, taps
         self.size = tree.size  # dynamo does not trace `TreeBuffers`' properties (`tree/` reads as the `tree` package)
-        self.draft = HeadsDraft(model, tree, top_k, linears) if tree.size > 1 else None  # the root alone: plain
         device = tree.depth.device
         self.node_slots = torch.arange(tree.size, device=device)
         self.path_slots = torch.arange(tree.max_depth + 1, device=device)
 
-    def __call__(self, root: torch.Tensor, hidden: torch.Tensor, chain: torch.Tensor | None, length: torch.Tensor,
-                 key_slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]):
-        tree = self.tree
+    def __call__(self, root: torch.Tensor, state: tuple, chain: torch.Tensor | None, length: torch.Tensor,
+                 key_slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], own_cache: tuple):
+        hidden, = state
         tokens = root if self.draft is None else self.draft(hidden, root)
+        packet, bonus, path, accepted, hidden_states = self.verify(tokens, chain, length, key_slots, kv)
+        last = hidden_states.index_select(0, path.gather(0, accepted))[0]  # that predicted the bonus
+        return packet, bonus, (last,), length + accepted + 1
+
+    def verify(self, tokens: torch.Tensor, chain: torch.Tensor | None, length: torch.Tensor,
+               key_slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]):
+        """The tree's tokens [T] (the n-gram branch's nodes replaced by `chain`) through the backbone, accepted and
+        compacted -> (the host's packet, bonus [1], accepted path [D + 1], accepted length [1], the backbone's
+        hidden states [T, H'], the layers `taps` after the last)."""
+        tree = self.tree
         if chain is not None:
             tokens = tokens.index_copy(0, self.chain_nodes, chain)
         # Each node sees the cache's entries and its ancestors: [T, window]
         offset = key_slots - length  # a key slot's place among the tree's nodes (< 0: the cache's entries)
         in_tree = (offset >= 0) & (offset < self.size)
         mask = torch.where(in_tree[None], tree.mask[:, offset.clamp(0, self.size - 1)], (offset < 0)[None])
-        hidden_states, _ = self.fast.decode(tokens[None], (length + tree.depth)[None], mask[None, None], kv,
-                                            length + self.node_slots)
-        logits = self.fast.lm_head(hidden_states)
+        last, hidden_states = self.fast.decode(tokens[None], (length + tree.depth)[None], mask[None, None], kv,
+                                               length + self.node_slots, self.taps)
+        logits = self.fast.lm_head(last)
         paths, accepted, bonus = GreedyAcceptance.accept_rows(tree, tokens[None], logits)
         path = paths[0]
         source, target = length + path, length + self.path_slots  # past the accepted length: copies nobody reads
@@ -84,16 +97,47 @@ class StaticStep:
             keys.index_copy_(2, target, keys.index_select(2, source))
             values.index_copy_(2, target, values.index_select(2, source))
         packet = torch.cat([path, tokens[path], accepted, bonus])
-        last = hidden_states[0].index_select(0, path.gather(0, accepted))[0]  # that predicted the bonus
-        return packet, bonus, last, length + accepted + 1
+        return packet, bonus, path, accepted, hidden_states[0]
+
+
+class Eagle3StaticStep(StaticStep):
+    r"""
+    `StaticStep` drafted by an EAGLE-3 drafter (`TreeDraft`), whose state is the backbone's features at the
+    positions the last step committed rather than one hidden state, and which has a cache of its own.
+
+    state: (features [F, W] at the newly committed positions (the first `count` rows real, F = `FRESH_ROWS`), the
+    token after each [F], count [1], the positions the drafter's cache holds [1]); own_cache: (its key slots
+    [window'], its keys and values [1, H_kv, S', D]).
+    """
+
+    def __call__(self, root: torch.Tensor, state: tuple, chain: torch.Tensor | None, length: torch.Tensor,
+                 key_slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], own_cache: tuple):
+        fresh, after, count, committed = state
+        draft_slots, draft_keys, draft_values = own_cache
+        window = draft_slots.shape[0]
+        tokens = self.draft(fresh, after, committed, count, root, draft_keys[:, :, :window],
+                            draft_values[:, :, :window])
+        packet, bonus, path, accepted, features = self.verify(tokens, chain, length, key_slots, kv)
+        rows = torch.arange(fresh.shape[0], device=fresh.device)
+        deepest = path.shape[0] - 1
+        on_path = path.index_select(0, rows.clamp(max=deepest))  # padded: rows past the accepted length are unread
+        following = tokens.index_select(0, path.index_select(0, (rows + 1).clamp(max=deepest)))
+        next_after = torch.where(rows == accepted, bonus, following)
+        next_fresh = features.index_select(0, on_path)[:, : fresh.shape[1]]
+        return packet, bonus, (next_fresh, next_after, accepted + 1, committed + count), length + accepted + 1
 
 
 class StaticSteps:
     """A model's `StaticStep`s, one per tree (with or without the n-gram branch), compiled on first use: one graph
     each, shared by its drafters."""
 
-    def __init__(self, model: MedusaModel, compiled: CompiledLlama):
-        self.model, self.compiled = model, compiled
+    def __init__(self, model: MedusaModel, forward: CompiledLlama | FastLlama):
+        self.model = model
+        self.compiled = forward if isinstance(forward, CompiledLlama) else None  # None: steps run eagerly
+        self.fast = forward.eager if self.compiled else forward
+        self.capture = self.fast.embed.weight.device.type == "cuda"  # a decode's steps replay CUDA graphs
+        self.eagle3 = tree_drafts(model) if fast_eagle3_supports(model.heads) else None  # its drafting, if EAGLE-3
+        self.taps = getattr(model.backbone, FEATURE_LAYERS, ()) if self.eagle3 else ()
         self.graphs: dict[tuple, Callable] = {}
         self.eager: dict[tuple, StaticStep] = {}
         self.ready: set[tuple] = set()  # the keys of `graphs` that have run
@@ -103,7 +147,9 @@ class StaticSteps:
     def pending(self, drafter: Drafter) -> list[TreeBuffers]:
         """The trees of `drafter` whose step a decode would compile now."""
         top_k = heads_of(drafter).tree.top_k
-        return [] if self.failed else [tree for tree, _ in step_trees(drafter) if (tree.paths, top_k) not in self.ready]
+        if self.failed or self.compiled is None:
+            return []
+        return [tree for tree, _ in step_trees(drafter) if (tree.paths, top_k) not in self.ready]
 
     def stored(self, drafter: Drafter) -> bool:
         """Whether every step `pending` lists for `drafter` is a frozen package on disk: loaded, not compiled."""
@@ -112,37 +158,66 @@ class StaticSteps:
         return self.frozen and all(frozen_step.package_path(self.model, tree, top_k, chain_nodes is not None).exists()
                                    for tree, chain_nodes in step_trees(drafter) if tree.paths in pending)
 
+    def step(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None, twin: str) -> StaticStep:
+        """The step of `tree` over the weights as `twin` says: "eager" (as the model holds them), "opaque" (through
+        the operators an in-process graph can hold) or "plain" (for a graph that lays them out itself)."""
+        fast = {"eager": lambda: self.fast, "opaque": lambda: self.compiled.compilable,
+                "plain": lambda: FastLlama(self.model.backbone, plain=True)}[twin]()
+        if tree.size == 1:  # the root alone: plain decoding
+            return StaticStep(fast, tree, chain_nodes, None)
+        if self.eagle3 is None:
+            linears = "packed" if twin == "eager" else twin
+            return StaticStep(fast, tree, chain_nodes, HeadsDraft(self.model, tree, top_k, linears))
+        drafting = {"eager": lambda: self.eagle3.fast, "opaque": lambda: self.eagle3.compiled,
+                    "plain": lambda: FastEagle3(self.model.heads, self.model.backbone.get_input_embeddings(),
+                                                plain=True)}[twin]()
+        return Eagle3StaticStep(fast, tree, chain_nodes, TreeDraft(drafting, tree, top_k), self.taps)
+
+    def scratch_args(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None) -> tuple:
+        """The arguments of a step of `tree` over scratch buffers, their sizes marked dynamic: what warm-up and
+        `frozen_step` step."""
+        like = self.compiled.eager.embed.weight
+        context = frozen_step.CONTEXT  # any context: the window and the cache's size are dynamic in the graph
+        window = round_up(context + tree.size)
+        kv = self.compiled.scratch_cache(window)
+        mark_cache_dynamic(kv)
+        key_slots = torch.arange(window, device=like.device)
+        torch._dynamo.mark_dynamic(key_slots, 0)
+        chain = None if chain_nodes is None else chain_nodes.new_zeros(chain_nodes.shape)
+        root, length = like.new_zeros(1, dtype=torch.long), torch.tensor([context], device=like.device)
+        if tree.size == 1 or self.eagle3 is None:
+            return root, (like.new_zeros(like.shape[1]),), chain, length, key_slots, kv, ()
+        layer, drafted = self.eagle3.fast.layer, self.eagle3.draft(tree, top_k).drafted
+        draft_window = round_up(context + FRESH_ROWS + drafted)
+        draft_kv = [like.new_zeros(1, layer.kv_heads, 2 * draft_window, layer.head_dim) for _ in range(2)]
+        mark_cache_dynamic([draft_kv])
+        draft_slots = torch.arange(draft_window, device=like.device)
+        torch._dynamo.mark_dynamic(draft_slots, 0)
+        width = like.shape[1] * (1 + len(self.taps))
+        state = (like.new_zeros(FRESH_ROWS, width), like.new_zeros(FRESH_ROWS, dtype=torch.long),
+                 torch.tensor([1], device=like.device), length.clone())
+        return root, state, chain, length, key_slots, kv, (draft_slots, *draft_kv)
+
     @torch.no_grad()
     def warm_up(self, drafter: Drafter) -> None:
         """Compile the steps of `drafter`'s trees now, each with a step over scratch buffers."""
         top_k = heads_of(drafter).tree.top_k
-        like = self.compiled.eager.embed.weight
         pending = {tree.paths for tree in self.pending(drafter)}
         for tree, chain_nodes in step_trees(drafter):
-            if tree.paths not in pending or self.failed:
-                continue
-            context = 16  # any context: the window and the cache's size are dynamic in the graph
-            window = round_up(context + tree.size)
-            kv = self.compiled.scratch_cache(window)
-            mark_cache_dynamic(kv)
-            key_slots = torch.arange(window, device=like.device)
-            torch._dynamo.mark_dynamic(key_slots, 0)
-            chain = None if chain_nodes is None else chain_nodes.new_zeros(chain_nodes.shape)
-            self.run(tree, top_k, chain_nodes, like.new_zeros(1, dtype=torch.long), like.new_zeros(like.shape[1]),
-                     chain, torch.tensor([context], device=like.device), key_slots, kv)
+            if tree.paths in pending and not self.failed:
+                self.run(tree, top_k, chain_nodes, *self.scratch_args(tree, top_k, chain_nodes))
 
     def run(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None, *args):
         key = tree.paths, top_k
-        if self.failed:
+        if self.failed or self.compiled is None:
             if key not in self.eager:
-                self.eager[key] = StaticStep(self.model, self.compiled.eager, tree, top_k, chain_nodes, "packed")
+                self.eager[key] = self.step(tree, top_k, chain_nodes, "eager")
             return self.eager[key](*args)
         if key not in self.graphs and self.frozen:
             try:
-                plain = lambda: StaticStep(self.model, FastLlama(self.model.backbone, plain=True), tree, top_k,
-                                           chain_nodes, "plain")
-                self.graphs[key] = frozen_step.load_or_build(self.model, tree, top_k, chain_nodes,
-                                                             self.compiled.scratch_cache, plain)
+                self.graphs[key] = frozen_step.load_or_build(
+                    self.model, tree, top_k, chain_nodes is not None,
+                    lambda: (self.step(tree, top_k, chain_nodes, "plain"), self.scratch_args(tree, top_k, chain_nodes)))
             except Exception as err:  # export's and inductor's errors have no common base
                 logger.warning("Compiling the whole step ahead of time failed, compiling it in process instead: %s",
                                first_line(err))
@@ -150,8 +225,7 @@ class StaticSteps:
         if key not in self.graphs:
             logger.info("Compiling the whole step of a %d-node tree: under a minute once, then cached on disk",
                         tree.size)
-            step = StaticStep(self.model, self.compiled.compilable, tree, top_k, chain_nodes, "opaque")
-            self.graphs[key] = compile_step(step.__call__)
+            self.graphs[key] = compile_step(self.step(tree, top_k, chain_nodes, "opaque").__call__)
         if self.frozen:
             try:
                 out = self.graphs[key](*args)
@@ -184,15 +258,20 @@ _STATIC_STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, StaticSteps]" = weakr
 def static_steps(model: MedusaModel, drafter: Drafter, acceptance: Acceptance | None = None) -> StaticSteps | None:
     """The `StaticSteps` that step `drafter` on `model` with `acceptance` (greedy if None), where whole-step graphs
     apply (see the module's docstring); else None."""
-    compiled = getattr(model.backbone, FAST_FORWARD, None)
+    forward = getattr(model.backbone, FAST_FORWARD, None)
+    compiled = isinstance(forward, CompiledLlama) and not forward.failed
+    on_gpu = type(forward) is FastLlama and forward.embed.weight.device.type == "cuda"
     heads = heads_of(drafter)
-    if (not isinstance(compiled, CompiledLlama) or compiled.failed
-            or (acceptance is not None and type(acceptance) is not GreedyAcceptance)
-            or not (type(heads) is PlainDrafter or type(heads) is MedusaDrafter and heads.model is model)):
+    if (not (compiled or on_gpu) or (acceptance is not None and type(acceptance) is not GreedyAcceptance)
+            or not (type(heads) is PlainDrafter or type(heads) in (MedusaDrafter, Eagle3TreeDrafter)
+                    and heads.model is model)):
         return None
+    if type(heads) is Eagle3TreeDrafter and (compiled and tree_drafts(model).compiled is None
+                                              or heads.tree.max_depth + 1 > FRESH_ROWS):
+        return None  # its drafting does not compile, or a step commits more positions than a graph's drafting takes
     steps = _STATIC_STEPS.get(model.heads)
-    if steps is None or steps.compiled is not compiled:
-        steps = _STATIC_STEPS[model.heads] = StaticSteps(model, compiled)
+    if steps is None or forward not in (steps.compiled, steps.fast):
+        steps = _STATIC_STEPS[model.heads] = StaticSteps(model, forward)
     return steps
 
 
@@ -207,35 +286,85 @@ def step_trees(drafter: Drafter) -> list[tuple[TreeBuffers, torch.Tensor | None]
 class StaticStepper:
     r"""
     Steps one sequence through `StaticSteps`: the host part of the step (the n-gram branch, the cache's lengths,
-    the statistics) around one graph call and one read of its results.
+    the statistics) around one graph call and one read of its results. `hidden`: the backbone's hidden states
+    [n, H'] at the prompt's positions.
     """
 
-    def __init__(self, steps: StaticSteps, drafter: Drafter, cache: TreeCache, root: int, hidden: torch.Tensor):
+    def __init__(self, steps: StaticSteps, drafter: Drafter, cache: TreeCache, root: int, hidden: torch.Tensor,
+                 prompt: list[int]):
         self.steps, self.drafter, self.cache = steps, drafter, cache
         self.heads = heads_of(drafter)
         device = cache.valid.device
         self.root = torch.tensor([root], device=device)
-        self.hidden = steps.model.last_hidden(hidden)  # without the layers a tapped backbone adds (`tap_features`)
         self.length = cache.positions.clone()  # a batch of one has no holes: its length is its next position
         self.key_slots = torch.arange(cache.size, device=device)
         self.kv = [(layer.keys, layer.values) for layer in cache.cache.layers]
         mark_cache_dynamic(self.kv)
+        self.graphs: dict[tuple, CapturedStep] = {}  # on a GPU, per tree: its step's CUDA graph over this cache
+        self.eagle3 = type(self.heads) is Eagle3TreeDrafter
+        if self.eagle3:
+            self._start_drafting(hidden, prompt + [root])
+        else:  # the last hidden state, without the layers a tapped backbone adds (`tap_features`)
+            self.state = (steps.model.last_hidden(hidden[-1]),)
+
+    def _start_drafting(self, features: torch.Tensor, sequence: list[int]) -> None:
+        """The EAGLE-3 drafter's cache takes the prompt's positions but the last `FRESH_ROWS`, which the first step's
+        graph appends (as every step appends the positions the last one committed)."""
+        width, device = self.heads.width, features.device
+        features = features[..., :width]
+        count = min(features.shape[0], FRESH_ROWS)
+        self.committed = features.shape[0] - count  # positions in the drafter's cache
+        self.heads.start(features[: self.committed], torch.tensor(sequence[1 : self.committed + 1], device=device))
+        fresh = torch.cat([features[self.committed :], features.new_zeros(FRESH_ROWS - count, width)])
+        after = torch.tensor(sequence[self.committed + 1 :] + [0] * (FRESH_ROWS - count), device=device)
+        self.state = (fresh, after, torch.tensor([count], device=device),
+                      torch.tensor([self.committed], device=device))
+        self.fresh_count = count
+        # past any window its steps read: the drafter's entries are the committed positions', then a tree's
+        self.draft_slots = torch.arange(self.cache.size + BUCKET, device=device)
 
     def _chain(self, sequence: list[int]) -> torch.Tensor | None:
         if type(self.drafter) is not MedusaNgramDrafter:
             return None
-        follow = self.drafter.chain.follow(DecodeState(sequence, sequence[-1], self.hidden))
+        follow = self.drafter.chain.follow(DecodeState(sequence, sequence[-1], self.state[0]))  # reads the tokens
         if not follow:
             return None
         width = len(self.drafter.chain_nodes)
         return torch.tensor(follow + follow[-1:] * (width - len(follow)), device=self.root.device)
 
+    def _own_cache(self, tree: TreeBuffers) -> tuple:
+        """The drafter's cache, as a step of `tree` takes it: its key slots (the window the step reads), its keys and
+        values."""
+        if not self.eagle3:
+            return ()
+        drafted = self.steps.eagle3.draft(tree, self.heads.tree.top_k).drafted
+        window = round_up(self.committed + FRESH_ROWS + drafted)
+        if self.steps.capture:  # one window for every step: a graph's shapes are fixed
+            window = self.draft_slots.shape[0]
+        keys, values = self.heads.cache(window)
+        slots = self.draft_slots[:window]
+        torch._dynamo.mark_dynamic(slots, 0)
+        mark_cache_dynamic([(keys, values)])
+        return slots, keys, values
+
+    def _run(self, tree: TreeBuffers, chain_nodes: torch.Tensor | None, args: tuple) -> tuple:
+        """The step of `tree` on `args`: through `StaticSteps`, or on a GPU as its CUDA graph, captured on first
+        use (`captured_step.py`)."""
+        top_k = self.heads.tree.top_k
+        if not self.steps.capture:
+            return self.steps.run(tree, top_k, chain_nodes, *args)
+        if tree.paths not in self.graphs:
+            pool = next(iter(self.graphs.values())).pool if self.graphs else None  # one pool for a decode's graphs
+            self.graphs[tree.paths] = CapturedStep(lambda *step_args: self.steps.run(tree, top_k, chain_nodes,
+                                                                                      *step_args), args, pool)
+        return self.graphs[tree.paths](*args)
+
     @torch.no_grad()
     def step(self, sequence: list[int], stats=None) -> tuple[list[int], torch.Tensor]:
         """One step after `sequence` (prompt + committed tokens, the root last) -> (new tokens, the bonus last; the
-        hidden state [1, H] that predicted the bonus), recorded in `stats` (a `GenerationStats`, which `generate.py`
-        defines and this module cannot import back; the whole step counts as verifying: its drafting is inside the
-        graph)."""
+        backbone's hidden states [n, H'] at the positions the step committed, the one that predicted the bonus
+        last), recorded in `stats` (a `GenerationStats`, which `generate.py` defines and this module cannot import
+        back; the whole step counts as verifying: its drafting is inside the graph)."""
         start_time = time.perf_counter()
         chain = self._chain(sequence)
         if chain is None:
@@ -243,18 +372,35 @@ class StaticStepper:
         else:
             tree, chain_nodes = self.drafter.tree, self.drafter.chain_nodes
         window = self.cache.reserve(tree.size)
-        key_slots = self.key_slots[:window]
+        key_slots = self.key_slots if self.steps.capture else self.key_slots[:window]  # a graph reads every slot
         torch._dynamo.mark_dynamic(key_slots, 0)  # one graph for every context length
-        packet, self.root, self.hidden, self.length = self.steps.run(
-            tree, self.heads.tree.top_k, chain_nodes, self.root, self.hidden, chain, self.length, key_slots, self.kv)
-        host = packet.tolist()  # the step's one read
+        packet, self.root, self.state, self.length = self._run(
+            tree, chain_nodes, (self.root, self.state, chain, self.length, key_slots, self.kv, self._own_cache(tree)))
+        host = read(packet)  # the step's one read
         width = tree.max_depth + 1
         accepted, bonus = host[-2], host[-1]
         start = self.cache.lengths[0]
         self.cache.lengths[0] = start + accepted + 1
         self.cache.valid[0, start : start + accepted + 1] = True
         self.cache.positions = self.length
+        if self.eagle3:
+            self.committed += self.fresh_count
+            self.heads.committed, self.fresh_count = self.committed, accepted + 1
         if stats is not None:
             stats.record(tree.paths, host[: accepted + 1])
             stats.verify_seconds += time.perf_counter() - start_time
-        return host[width + 1 : width + accepted + 1] + [bonus], self.hidden[None]
+        hidden = self.state[0][: accepted + 1] if self.eagle3 else self.state[0][None]
+        return host[width + 1 : width + accepted + 1] + [bonus], hidden
+
+
+def read(packet: torch.Tensor) -> list[int]:
+    """A step's one read from the device: the one synchronizing call of a step on a GPU, also where a sync debug mode
+    (`torch.cuda.set_sync_debug_mode`) forbids any other."""
+    if not packet.is_cuda:
+        return packet.tolist()
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(0)
+    try:
+        return packet.tolist()
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)

@@ -27,15 +27,16 @@ class FastEagle3:
     r"""
     `heads`' step over a static cache: `decode` appends entries and returns their outputs, `guesses` turns
     outputs into the top-k drafted token ids. Made once the heads are on their device, in their dtype, packed or
-    quantized (it reads the weights as they are then).
+    quantized (it reads the weights as they are then); `plain`: its products over copies of plain weights, as
+    `FastLlama`'s (for a graph that lays weights out itself).
     """
 
-    def __init__(self, heads: Eagle3Head, embed: torch.nn.Embedding):
+    def __init__(self, heads: Eagle3Head, embed: torch.nn.Embedding, plain: bool = False):
         layer = heads.layer
         self.hidden_size = heads.config.hidden_size
         self.embed = embed  # the backbone's: the drafter reads the embedding of the token after each position
-        self.layer = FastLlamaLayer(layer, layer.self_attn.config)
-        self.fc, self.lm_head = product(heads.fc), product(heads.lm_head)
+        self.layer = FastLlamaLayer(layer, layer.self_attn.config, plain)
+        self.fc, self.lm_head = product(heads.fc, plain), product(heads.lm_head, plain)
         self.norms = [(n.weight, n.variance_epsilon) for n in (layer.input_layernorm, heads.hidden_norm, heads.norm)]
         self.draft_vocab = heads.draft_vocab
         self.cos, self.sin = rotary_tables(heads.rotary_emb, layer.self_attn.config.max_position_embeddings,

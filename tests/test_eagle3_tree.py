@@ -2,6 +2,7 @@
 makes, step after step, eager and compiled (one graph per tree whatever the context's length, `fullgraph=True`),
 and decoding through it is HF greedy with the steps `EagleDrafter` takes."""
 
+import importlib
 import os
 import shutil
 
@@ -13,12 +14,17 @@ from medusa_heads import MedusaError, MedusaModel, load_backbone
 from medusa_heads.compiled_llama import CompiledLlama
 from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.inference import DecodeState, EagleDrafter, GenerationStats, MedusaNgramDrafter, make_drafter
-from medusa_heads.inference.drafters.eagle3_tree import FRESH_ROWS, Eagle3TreeDrafter
-from medusa_heads.inference.generate import encode_prompt
+from medusa_heads.inference.drafters.eagle3_tree import FRESH_ROWS, Eagle3TreeDrafter, TreeDraft
+from medusa_heads.inference import captured_step, frozen_step
+from medusa_heads.inference.generate import encode_prompt, warm_up
+from medusa_heads.inference.static_step import StaticSteps, static_steps
 from medusa_heads.tree import build_tree, load_tree
 
 from oracle import decode, hf_greedy
 from test_eagle3 import three_deep, tiny  # noqa: F401  (a fixture)
+from test_static_step import replaying_on_the_cpu
+
+generate_module = importlib.import_module("medusa_heads.inference.generate")  # the package exports a function so named
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
 
@@ -81,16 +87,24 @@ def test_compiled_drafting_is_one_graph_per_tree_for_every_context(tiny, tmp_pat
 
 @needs_compiler
 def test_decoding_through_compiled_drafting_is_hf_greedy_in_the_same_steps(tiny, tokenizer, chat_prompts, tmp_path):
+    """Each step one graph (`static_step.py`): drafting, verifying, accepting, compacting; compiled by `warm_up`,
+    none while decoding."""
     model = compiled_twin(tiny, tmp_path)
     tree_file = three_deep("cpu-8", tmp_path)
+    warm_up(model, make_drafter(model, "medusa+ngram", tree=tree_file, draft_length=4))
     for prompt in (encode_prompt(tokenizer, p) for p in chat_prompts[:2]):
         ours, theirs = GenerationStats(), GenerationStats()
         drafter = make_drafter(model, "medusa+ngram", tree=tree_file, draft_length=4)
         assert isinstance(drafter.heads, Eagle3TreeDrafter)
-        assert decode(model, prompt, drafter, max_new_tokens=48, stats=ours) == hf_greedy(model.backbone, prompt, 48)
+        graphs = counters["stats"]["unique_graphs"]
+        tokens = decode(model, prompt, drafter, max_new_tokens=48, stats=ours)
+        assert counters["stats"]["unique_graphs"] == graphs  # none compiled while decoding, whatever the context
+        assert tokens == hf_greedy(model.backbone, prompt, 48)
         reference = MedusaNgramDrafter(EagleDrafter(model, drafter.heads.tree), ngram_length=4)
         decode(model, prompt, reference, max_new_tokens=48, stats=theirs)
         assert ours.accepted_lengths == theirs.accepted_lengths and ours.steps > 1
+    steps = static_steps(model, drafter)
+    assert steps is not None and not steps.failed and len(steps.graphs) == 2 and steps.eagle3 is not None
 
 
 @needs_compiler
@@ -122,3 +136,60 @@ def test_states_it_cannot_draft_from_are_one_line_errors(tiny, tmp_path):
         drafter.fill(third, tree)  # a step skipped
     with pytest.raises(MedusaError, match="trained for 3"):
         Eagle3TreeDrafter(tiny, build_tree([(0,) * d for d in range(1, 5)]))
+
+
+@needs_compiler
+def test_a_frozen_package_of_the_whole_step_drafts_and_decodes_as_the_in_process_graph(tiny, tokenizer, chat_prompts,
+                                                                                       tmp_path, monkeypatch):
+    """AMX bf16 CPUs take frozen packages (`frozen_step.py`), the drafter's own cache an input of the package like
+    the backbone's; forced here in fp32, where greedy output is exact."""
+    monkeypatch.setenv("MEDUSA_HEADS_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(frozen_step, "applies", lambda model: True)
+    model = compiled_twin(tiny, tmp_path)
+    tree_file = three_deep("cpu-8", tmp_path)
+    drafter = make_drafter(model, "medusa", tree=tree_file)
+    warm_up(model, drafter)
+    steps = static_steps(model, drafter)
+    assert steps.frozen and len(steps.graphs) == 1 and len(list((tmp_path / "home" / "steps").glob("*.pt2"))) == 1
+    for prompt in (encode_prompt(tokenizer, p) for p in chat_prompts[:2]):
+        ours, theirs = GenerationStats(), GenerationStats()
+        assert decode(model, prompt, make_drafter(model, "medusa", tree=tree_file), max_new_tokens=48,
+                      stats=ours) == hf_greedy(model.backbone, prompt, 48)
+        decode(model, prompt, EagleDrafter(model, drafter.tree), max_new_tokens=48, stats=theirs)
+        assert ours.accepted_lengths == theirs.accepted_lengths and ours.steps > 1
+    assert steps.frozen and len(steps.graphs) == 1  # the package stepped every context: no fallback
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_whole_steps_draft_and_decode_as_the_host_driven_step(tiny, tokenizer, chat_prompts, tmp_path, monkeypatch,
+                                                               captured):
+    """The whole step's drafting (`Eagle3StaticStep`: the features, the tokens after them and their count carried
+    from step to step) drafts what `EagleDrafter` drafts, step after step; run eagerly, and replayed from a graph
+    as on a GPU (`captured_step.py`: the drafter's cache has one window for every step), by a stand-in here."""
+    tiny.heads.save_pretrained(tmp_path / "heads")
+    model = MedusaModel.from_pretrained(tmp_path / "heads", base_model=load_backbone(tiny.backbone.name_or_path))
+    tree_file = three_deep("cpu-8", tmp_path)
+    capture = replaying_on_the_cpu(captures := [])
+    monkeypatch.setattr(captured_step, "capture", capture)
+    steps = StaticSteps(model, getattr(model.backbone, FAST_FORWARD))
+    steps.capture = captured
+    ours, theirs = [], []  # the drafts of each step, before the n-gram branch is added
+    draft, fill = TreeDraft.__call__, EagleDrafter.fill
+    monkeypatch.setattr(TreeDraft, "__call__", lambda self, *args: recorded(ours, draft(self, *args), capture))
+    monkeypatch.setattr(EagleDrafter, "fill", lambda self, *args: recorded(theirs, fill(self, *args), capture))
+    for prompt in (encode_prompt(tokenizer, p) for p in chat_prompts[:2]):
+        drafter = make_drafter(model, "medusa+ngram", tree=tree_file, draft_length=4)
+        reference = MedusaNgramDrafter(EagleDrafter(model, drafter.heads.tree), ngram_length=4)
+        expected = decode(model, prompt, reference, max_new_tokens=48)  # the host-driven step
+        with monkeypatch.context() as patch:
+            patch.setattr(generate_module, "static_steps", lambda *args: steps)
+            assert decode(model, prompt, drafter, max_new_tokens=48) == expected == hf_greedy(model.backbone, prompt,
+                                                                                              48)
+    assert ours == theirs and len(ours) > 10
+    assert (len(captures) >= 2) == captured  # a graph per tree in each decode
+
+
+def recorded(drafts: list, tokens: torch.Tensor, capture) -> torch.Tensor:
+    if not capture.active:
+        drafts.append(tokens.tolist())
+    return tokens

@@ -1,4 +1,5 @@
-"""Tree decoding on a CUDA device: greedy exactness against HF `generate` on the same device (fp32)."""
+"""Tree decoding on a CUDA device: greedy exactness against HF `generate` on the same device (fp32), and whole steps
+replayed as CUDA graphs that read the device once a step."""
 
 import pytest
 import torch
@@ -6,7 +7,9 @@ import torch
 from medusa_heads import EMBEDDED_MODEL, MedusaModel, load_backbone, load_heads
 from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.inference import make_drafter
-from medusa_heads.inference.generate import encode_prompt
+from medusa_heads.inference.cache import TreeCache
+from medusa_heads.inference.generate import encode_prompt, prefill
+from medusa_heads.inference.static_step import StaticStepper, static_steps
 from medusa_heads.model import shipped_heads
 
 from oracle import assert_exact, hf_greedy  # noqa: E402  (pytest puts tests/ on sys.path)
@@ -33,3 +36,31 @@ def test_the_fast_forward_on_cuda_is_the_backbone_greedy_output(tokenizer, chat_
     references = [(ids.cuda(), hf_greedy(model.backbone, ids.cuda(), 64))
                   for ids in (encode_prompt(tokenizer, p) for p in chat_prompts[:3])]
     assert_exact(model, model.backbone, references, make_drafter(model, "medusa+ngram", tree="hydra-cpu-6"), 64)
+
+
+@pytest.mark.parametrize("drafter, options", [("medusa", {"tree": "cpu-16"}), ("plain", {})])
+def test_whole_steps_replay_as_cuda_graphs_reading_the_device_once_a_step(tokenizer, chat_prompts, drafter, options):
+    """Each step one CUDA graph replay (`captured_step.py`) and one read of its results: no other synchronizing call
+    (`set_sync_debug_mode("error")` raises at one), and HF's greedy tokens in fp32."""
+    model = MedusaModel.from_pretrained(dtype=torch.float32, device="cuda")
+    ids = encode_prompt(tokenizer, chat_prompts[0]).cuda()
+    reference = hf_greedy(model.backbone, ids, 64)
+    chosen = make_drafter(model, drafter, **options)
+    steps = static_steps(model, chosen)
+    assert steps is not None
+    prompt = ids[0].tolist()
+    cache = TreeCache(model.backbone, 1, len(prompt) + 64 + 2 * chosen.tree.size)
+    logits, hidden = prefill(model, [prompt], cache)
+    root = int(logits[0].argmax())
+    stepper = StaticStepper(steps, chosen, cache, root, hidden[0], prompt)
+    sequence = prompt + [root]
+    sequence += stepper.step(sequence)[0]  # the first step of a tree captures its graph
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        while len(sequence) - len(prompt) < 64:
+            sequence += stepper.step(sequence)[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert len(stepper.graphs) == 1
+    new = sequence[len(prompt):]
+    assert new[:64] == reference[: len(new[:64])]

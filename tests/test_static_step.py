@@ -4,6 +4,7 @@ per tree (`fullgraph=True`: a graph break fails) for every prompt and cache size
 `warm_up`; a step that cannot compile runs the same function eagerly. Compiled ahead of time with the weights
 frozen in (`frozen_step.py`), the same tokens, from a package on disk that a second model loads."""
 
+import importlib
 import logging
 import os
 import shutil
@@ -11,15 +12,17 @@ import shutil
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from torch.utils._pytree import tree_leaves
 
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from medusa_heads import MedusaModel
 from medusa_heads.backbone import tap_features
+from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.inference import GenerationStats, make_acceptance, make_drafter
-from medusa_heads.inference import frozen_step, static_step
+from medusa_heads.inference import captured_step, frozen_step, static_step
 from medusa_heads.inference.generate import warm_up
-from medusa_heads.inference.static_step import static_steps
+from medusa_heads.inference.static_step import StaticSteps, static_steps
 from medusa_heads.model import untrained_heads
 
 from oracle import decode, hf_greedy
@@ -27,6 +30,7 @@ from oracle import decode, hf_greedy
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "c++")) is None, reason="no C++ compiler")
 
 NEW_TOKENS = 48
+generate_module = importlib.import_module("medusa_heads.inference.generate")  # the package exports a function so named
 
 
 def frozen_tiny() -> LlamaForCausalLM:
@@ -238,3 +242,41 @@ def test_a_package_that_fails_to_step_leaves_the_step_to_the_in_process_graph(he
     assert "package failed, compiling the step in process from now on" in caplog.text
     assert not steps.frozen and not steps.failed and len(steps.graphs) == 1
     assert ours == [hf_greedy(model.backbone, ids, NEW_TOKENS) for ids in prompts()]
+
+
+def replaying_on_the_cpu(captures: list):
+    """A stand-in for `captured_step.capture` where no GPU is: the function run again over the tensors it was
+    captured with, its results written into the tensors it first returned, as a CUDA graph's replay does."""
+    def capture(step, args, pool):
+        captures.append(pool)
+        capture.active = True  # the run that stands for capturing: its results are not read
+        try:
+            outputs = step(*args)
+        finally:
+            capture.active = False
+
+        def replay():
+            for static, new in zip(tree_leaves(outputs), tree_leaves(step(*args)), strict=True):
+                static.copy_(new)
+        return outputs, replay, f"pool of graph {len(captures)}"
+    capture.active = False
+    return capture
+
+
+@pytest.mark.parametrize("name", ["medusa+ngram", "plain"])
+def test_steps_replayed_from_captured_graphs_decode_hf_greedy(heads_folder, name, monkeypatch):
+    """On a GPU each tree's step is a CUDA graph captured per decode (`captured_step.py`), over the tensors of its
+    first call: the state each step returns must be copied into them before the next replay, whichever graph
+    returned it; the decode's graphs share one pool."""
+    eager = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
+    theirs, their_lengths = greedy(eager, name)  # the host-driven step
+    captures = []
+    monkeypatch.setattr(captured_step, "capture", replaying_on_the_cpu(captures))
+    steps = StaticSteps(eager, getattr(eager.backbone, FAST_FORWARD))
+    steps.capture = True
+    monkeypatch.setattr(generate_module, "static_steps", lambda *args: steps)
+    ours, our_lengths = greedy(eager, name)
+    assert ours == theirs == [hf_greedy(eager.backbone, ids, NEW_TOKENS) for ids in prompts()]
+    assert our_lengths == their_lengths
+    trees = 2 if name == "medusa+ngram" else 1  # with and without the n-gram branch, in each decode
+    assert captures[:trees] == [None, "pool of graph 1"][:trees] and len(captures) == trees * len(prompts())

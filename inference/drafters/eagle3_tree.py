@@ -202,9 +202,14 @@ class Eagle3TreeDrafter:
             self.fill(DecodeState([0] * (FRESH_ROWS + 1), 0, like.new_zeros(self.width),
                                   like.new_zeros(FRESH_ROWS, self.width)), tree)
 
-    def _cache(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache's first `window` slots, grown (kept) when it is shorter; always longer than the window, so a
-        graph never meets a window equal to the cache's size."""
+    def cache_window(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cache's first `window` slots (`cache`)."""
+        keys, values = self.cache(window)
+        return keys[:, :, :window], values[:, :, :window]
+
+    def cache(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Its keys and values [1, H_kv, S, D], grown (kept) when they are no longer than `window`; always longer,
+        so a graph never meets a window equal to the cache's size."""
         if self.kv is None or self.kv[0].shape[2] <= window:
             layer, like = self.drafts.fast.layer, self.drafts.fast.embed.weight
             grown = tuple(like.new_zeros(1, layer.kv_heads, round_up(2 * window, 256), layer.head_dim)
@@ -213,7 +218,19 @@ class Eagle3TreeDrafter:
                 for new, old in zip(grown, self.kv):
                     new[:, :, : old.shape[2]] = old
             self.kv = grown
-        return self.kv[0][:, :, :window], self.kv[1][:, :, :window]
+        return self.kv
+
+    @torch.no_grad()
+    def start(self, features: torch.Tensor, after: torch.Tensor) -> None:
+        """Start a new sequence with the entries of its first positions, features [n, W] and the token after each
+        [n], when its steps then draft elsewhere (a whole step's graph, `static_step.py`)."""
+        count = features.shape[0]
+        if count:
+            keys, values = self.cache_window(round_up(count))
+            positions = torch.arange(count, device=features.device)
+            seen = torch.arange(keys.shape[2], device=features.device)[None] <= positions[:, None]
+            self.drafts.fast.decode(features, after, positions, seen, keys, values, positions)
+        self.committed = count
 
     @torch.no_grad()
     def fill(self, state: DecodeState, tree: TreeBuffers) -> torch.Tensor:
@@ -235,7 +252,7 @@ class Eagle3TreeDrafter:
             fresh = torch.cat([fresh, fresh.new_zeros(rows - count, self.width)])
             after = torch.cat([after, after.new_zeros(rows - count)])
         draft = self.drafts.draft(tree, self.tree.top_k)
-        keys, values = self._cache(round_up(start + rows + draft.drafted))
+        keys, values = self.cache_window(round_up(start + rows + draft.drafted))
         tokens = self.drafts.run(tree, self.tree.top_k, fresh, after, torch.tensor(start, device=device),
                                  torch.tensor(count, device=device), torch.tensor(state.root, device=device),
                                  keys, values)
