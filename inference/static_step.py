@@ -1,21 +1,22 @@
 r"""
-A whole tree step as one compiled graph: the heads' drafting of a static tree, the backbone's forward over it,
-greedy acceptance and the KV cache's compaction, for a batch of one, with one read from the device per step.
+A whole tree step as one compiled graph: the drafting of a static tree, the backbone's forward over it, greedy
+acceptance and the KV cache's compaction, for a batch of one, with one read from the device per step.
 
 `decode_step` runs a step as a few hundred host-driven operations between the compiled forward's graph and the
-heads (`compiled_llama.py`): drafting, building the tree's mask, picking the accepted path, moving its entries
+drafter (`compiled_llama.py`): drafting, building the tree's mask, picking the accepted path, moving its entries
 down the cache, each with its own Python and each a point where the host waits for the device. `StaticStep` is the
 same step written as one function of tensors, the state carried from step to step (the root, the hidden state
-that predicted it, the cache's length) staying on the device; `torch.compile` turns it into one graph per tree.
-The host's part is the n-gram branch (prompt lookup needs the tokens, which it reads once per step anyway) and
-the bookkeeping of lengths.
+that predicted it, or an EAGLE-3 drafter's features of the positions the last step committed; the cache's length)
+staying on the device; `torch.compile` turns it into one graph per tree. The host's part is the n-gram branch
+(prompt lookup needs the tokens, which it reads once per step anyway) and the bookkeeping of lengths.
 
-It applies where the backbone decodes through a `CompiledLlama`, the drafter is a `MedusaDrafter` (Medusa or
-Hydra heads) alone or with an n-gram branch (`MedusaNgramDrafter`), or a `PlainDrafter` (plain decoding is the
-step of a tree of the root alone), acceptance is greedy and one sequence is decoded; everything else takes
-`decode_step`, which computes the same tokens. In bf16 on a CPU with AMX, each tree's graph is a package compiled
-ahead of time with the weights laid out for inductor's own products (`frozen_step.py`), and an in-process graph
-only where that fails.
+It applies where the backbone decodes through a `CompiledLlama` (or, on a GPU, the fast forward), the drafter is a
+`MedusaDrafter` (Medusa or Hydra heads) or an `Eagle3TreeDrafter`, alone or with an n-gram branch
+(`MedusaNgramDrafter`), or a `PlainDrafter` (plain decoding is the step of a tree of the root alone), acceptance is
+greedy and one sequence is decoded; everything else takes `decode_step`, which computes the same tokens. In bf16 on
+a CPU with AMX, each tree's graph is a package compiled ahead of time with the weights laid out for inductor's own
+products (`frozen_step.py`), and an in-process graph only where that fails. On a GPU each tree's step is replayed
+as a CUDA graph (`captured_step.py`).
 """
 
 import logging

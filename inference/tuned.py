@@ -16,9 +16,9 @@ from medusa_heads.device import cache_file, device_name
 
 logger = logging.getLogger(__name__)
 
-# 2: the Hydra/Medusa steps became frozen packages on AMX CPUs (`frozen_step.py`), 1.4x faster, so records made
-# before chose among other speeds
-RECORD_VERSION = 2
+# 2: the Hydra/Medusa steps became frozen packages on AMX CPUs (`frozen_step.py`), 1.4x faster; 3: EAGLE-3 steps
+# too (1.6x): records made before chose among other speeds
+RECORD_VERSION = 3
 Candidate = TypeVar("Candidate")  # a registry.Configuration: a frozen dataclass with `settings()` and `tuned_on`
 
 

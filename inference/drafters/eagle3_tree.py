@@ -7,7 +7,8 @@ A step of `EagleDrafter` is a few dozen small products wrapped in hundreds of ea
 made, so every index is a constant, the drafter's keys and values sit in a static cache written at slots computed
 from two tensors (where the newly committed positions start, and how many they are), and no Python number is read
 from a tensor inside. The committed positions are padded to `FRESH_ROWS` rows so that one graph serves every step;
-the prompt (more rows) runs the same function eagerly.
+the prompt (more rows) runs the same function eagerly. Where the whole step is one graph (`static_step.py`), that
+graph calls `TreeDraft` itself, over this drafter's cache.
 """
 
 import logging
