@@ -38,9 +38,7 @@ class TreeCache:
     """The static cache of `batch_size` sequences of up to `max_len` entries each (prompt, answer and a tree)."""
 
     def __init__(self, backbone: PreTrainedModel, batch_size: int, max_len: int):
-        # One bucket more than asked for: attention windows stay shorter than the cache, so a compiled step's graph
-        # never meets a window equal to the cache's size (a case it would specialize for, and recompile)
-        self.size = round_up(max_len) + BUCKET
+        self.size = self.size_for(max_len)
         static = StaticCache(config=backbone.config, max_cache_len=self.size)
         kinds = {type(layer).__name__ for layer in static.layers if type(layer) is not StaticLayer}
         if kinds:
@@ -52,6 +50,13 @@ class TreeCache:
         self.lengths = [0] * batch_size  # slots in use per row, holes included
         self.positions = torch.zeros(batch_size, dtype=torch.long, device=device)  # next RoPE position per row
         self._mask = torch.zeros(0, dtype=torch.bool, device=device)  # [B, 1, T, size], grown on demand
+
+    @staticmethod
+    def size_for(max_len: int) -> int:
+        """The slots of a cache for `max_len` entries. One bucket more than asked for: attention windows stay shorter
+        than the cache, so a compiled step's graph never meets a window equal to the cache's size (a case it would
+        specialize for, and recompile)."""
+        return round_up(max_len) + BUCKET
 
     @property
     def batch_size(self) -> int:

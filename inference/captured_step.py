@@ -1,14 +1,14 @@
 r"""
 A whole step (`static_step.py`) captured as a CUDA graph: on a GPU a step's few thousand small kernels cost more to
 launch from Python than to run (a 12-node tree step of the 135M default took 40-70 ms on an H200, where its
-weights take well under a millisecond to read), so each tree's step is recorded once per decode and replayed as one
-launch.
+weights take well under a millisecond to read), so each tree's step is recorded once and replayed as one launch.
 
 A graph replays the same kernels on the same memory, so its inputs are static buffers: the tensors the step was
 captured with. A call copies the new values into them where they are other tensors (the state the last replay
-returned: the root, the hidden state, the lengths), and the caches stay where they are, written in place. Its
-outputs are the graph's own tensors, overwritten by the next replay. Capturing runs the step a few times first, on
-the caches beyond their used length, where a step writes anyway; the state it is captured with is left as it was.
+returned: the root, the hidden state, the lengths), and the caches stay where they are, written in place: a graph
+replays only over the caches it was captured over, which `StaticSteps` lends from decode to decode. Its outputs are
+the graph's own tensors, overwritten by the next replay. Capturing runs the step a few times first, on the caches
+beyond their used length, where a step writes anyway; the state it is captured with is left as it was.
 """
 
 from typing import Callable

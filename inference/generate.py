@@ -18,7 +18,7 @@ from medusa_heads.tree import TreeBuffers, canonical_tree
 from .acceptance import GreedyAcceptance
 from .cache import TreeCache
 from .draft import Acceptance, Accepted, DecodeState, Draft, Drafter
-from .static_step import StaticStepper, static_steps
+from .static_step import StaticStepper, StaticSteps, static_steps
 from .text import StopStrings, TextStream
 
 
@@ -372,13 +372,26 @@ def decode(model: MedusaModel, requests: Sequence[Request], eos_token_ids: Seque
     live = [i for i, request in enumerate(requests) if request.max_new_tokens > 0]
     if not live:
         return
-    eos = set(eos_token_ids)
+    width = max(len(requests[i].input_ids) for i in live)
+    most_new = max(requests[i].max_new_tokens for i in live)
+    trees = sum(requests[i].drafter.tree.size for i in live)  # bounds the union of the rows' trees
+    max_len = width + most_new + trees + deepest
+    # one sequence of a drafter and rule that one graph steps (`static_step.py`), over a cache it lends
+    steps = static_steps(model, requests[live[0]].drafter, requests[live[0]].acceptance) if len(live) == 1 else None
+    cache = steps.borrow_cache(max_len) if steps else TreeCache(model.backbone, len(live), max_len)
+    try:
+        yield from _decode_in(cache, steps, model, requests, live, set(eos_token_ids))
+    finally:
+        if steps:
+            steps.give_back(cache)
+
+
+def _decode_in(cache: TreeCache, steps: StaticSteps | None, model: MedusaModel, requests: Sequence[Request],
+               live: list[int], eos: set[int]) -> Iterator[tuple[int, list[int]]]:
+    """`decode`'s loop over the requests `live` (their indices), in `cache`; stepped by `steps` where given."""
     start = time.perf_counter()
     prompts = [requests[i].input_ids for i in live]
     width = max(len(p) for p in prompts)
-    most_new = max(requests[i].max_new_tokens for i in live)
-    trees = sum(requests[i].drafter.tree.size for i in live)  # bounds the union of the rows' trees
-    cache = TreeCache(model.backbone, len(live), width + most_new + trees + deepest)
     logits, hidden = prefill(model, prompts, cache)
     rows, finished = [], []
     for b, i in enumerate(live):
@@ -393,8 +406,8 @@ def decode(model: MedusaModel, requests: Sequence[Request], eos_token_ids: Seque
         if root in eos or request.max_new_tokens == 1 or stop:
             finished.append(b)
 
-    stepper = None  # one sequence of a drafter and rule that one graph steps (`static_step.py`)
-    if len(rows) == 1 and (steps := static_steps(model, rows[0].request.drafter, rows[0].request.acceptance)):
+    stepper = None
+    if steps is not None and not finished:
         stepper = StaticStepper(steps, rows[0].request.drafter, cache, rows[0].sequence[-1], rows[0].hidden,
                                 rows[0].request.input_ids)
     start = time.perf_counter()
@@ -406,13 +419,13 @@ def decode(model: MedusaModel, requests: Sequence[Request], eos_token_ids: Seque
             cache.keep_rows([b for b in range(cache.batch_size) if b not in finished])
             finished = []
         if stepper is not None:
-            steps = [(None, *stepper.step(rows[0].sequence, rows[0].request.stats))]
+            results = [(None, *stepper.step(rows[0].sequence, rows[0].request.stats))]
         else:
-            steps = decode_step(model, cache, [
+            results = decode_step(model, cache, [
                 (row.request.drafter, row.request.acceptance,
                  DecodeState(row.sequence, row.sequence[-1], row.hidden[-1], fresh_hidden=row.hidden))
                 for row in rows], [row.request.stats for row in rows])
-        for b, (row, (_, tokens, hidden)) in enumerate(zip(rows, steps)):
+        for b, (row, (_, tokens, hidden)) in enumerate(zip(rows, results)):
             request = row.request
             tokens, done = _cut(tokens, request.max_new_tokens - len(row.new_ids), eos)
             if request.stop is not None and (keep := request.stop(row.new_ids + tokens)) is not None:

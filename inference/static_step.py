@@ -16,7 +16,8 @@ It applies where the backbone decodes through a `CompiledLlama` (or, on a GPU, t
 greedy and one sequence is decoded; everything else takes `decode_step`, which computes the same tokens. In bf16 on
 a CPU with AMX, each tree's graph is a package compiled ahead of time with the weights laid out for inductor's own
 products (`frozen_step.py`), and an in-process graph only where that fails. On a GPU each tree's step is replayed
-as a CUDA graph (`captured_step.py`).
+as a CUDA graph (`captured_step.py`), over a KV cache the steps lend to one decode after another, so that the
+graphs captured in the first answer serve the next ones.
 """
 
 import logging
@@ -35,7 +36,7 @@ from medusa_heads.tree import TreeBuffers
 
 from .acceptance import GreedyAcceptance
 from .cache import BUCKET, TreeCache, round_up
-from .captured_step import CapturedStep
+from .captured_step import CapturedStep, tensors
 from . import frozen_step
 from .draft import Acceptance, DecodeState, Drafter
 from .drafters.eagle3_tree import FRESH_ROWS, Eagle3TreeDrafter, TreeDraft, tree_drafts
@@ -44,6 +45,9 @@ from .drafters.ngram import MedusaNgramDrafter
 from .drafters.plain import PlainDrafter
 
 logger = logging.getLogger(__name__)
+
+MEMORY = 4  # a step's arguments from here on are memory it reads and writes in place: slots, caches
+POOLED_SIZE = 1024  # the smallest cache a GPU's graphs are captured over: most chats' decodes then share one size
 
 
 class StaticStep:
@@ -141,9 +145,52 @@ class StaticSteps:
         self.taps = getattr(model.backbone, FEATURE_LAYERS, ()) if self.eagle3 else ()
         self.graphs: dict[tuple, Callable] = {}
         self.eager: dict[tuple, StaticStep] = {}
+        # On a GPU: each tree's CUDA graphs, one per memory it was captured over (`replay`); that memory, which
+        # outlives decodes: the caches free for the next decode, the EAGLE-3 drafter's cache that goes with each
+        self.captured: dict[tuple, CapturedStep] = {}
+        self.graph_pool = None  # one memory pool for all the graphs
+        self.free_caches: dict[int, list[TreeCache]] = {}
+        self.own_caches: "weakref.WeakKeyDictionary[TreeCache, tuple]" = weakref.WeakKeyDictionary()
+        self._slots: dict[int, torch.Tensor] = {}
         self.ready: set[tuple] = set()  # the keys of `graphs` that have run
         self.failed = False
         self.frozen = frozen_step.applies(model)  # its graphs are `frozen_step` packages
+
+    def borrow_cache(self, max_len: int) -> TreeCache:
+        """A cache for one decode of a batch of one, up to `max_len` entries (`give_back` it after). On a GPU one
+        the steps' graphs were captured over, if free: its size is a power of two (at least `POOLED_SIZE`), so that
+        decodes of similar lengths replay the same graphs rather than capture their own."""
+        backbone = self.model.backbone
+        if not self.capture:
+            return TreeCache(backbone, 1, max_len)
+        size = max(POOLED_SIZE, 1 << (TreeCache.size_for(max_len) - 1).bit_length())
+        free = self.free_caches.setdefault(size, [])
+        cache = free.pop() if free else TreeCache(backbone, 1, size - BUCKET)
+        cache.rewind(0)
+        return cache
+
+    def give_back(self, cache: TreeCache) -> None:
+        """`cache`, which a decode no longer uses, to the next decode of its size."""
+        if self.capture and cache.batch_size == 1:
+            self.free_caches.setdefault(cache.size, []).append(cache)
+
+    def slots(self, n: int) -> torch.Tensor:
+        """0, 1, ..., n - 1 on the device, one tensor for every decode (on a GPU, memory a graph reads)."""
+        if n not in self._slots:
+            self._slots[n] = torch.arange(n, device=self.fast.embed.weight.device)
+        return self._slots[n]
+
+    def replay(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None, args: tuple) -> tuple:
+        """The step of `tree` on `args` as a CUDA graph (`captured_step.py`), captured on first use over the memory
+        `args` name (the slots, the caches) and replayed while they stay the same: for the next decodes too, since
+        their caches come from `borrow_cache`."""
+        key = tree.paths, top_k, tuple((tensor.data_ptr(), tensor.shape) for tensor in tensors(args[MEMORY:]))
+        if key not in self.captured:
+            logger.info("Capturing the whole step of a %d-node tree as a CUDA graph", tree.size)
+            graph = CapturedStep(lambda *step_args: self.run(tree, top_k, chain_nodes, *step_args), args,
+                                 self.graph_pool)
+            self.graph_pool, self.captured[key] = graph.pool, graph
+        return self.captured[key](*args)
 
     def pending(self, drafter: Drafter) -> list[TreeBuffers]:
         """The trees of `drafter` whose step a decode would compile now."""
@@ -298,10 +345,9 @@ class StaticStepper:
         device = cache.valid.device
         self.root = torch.tensor([root], device=device)
         self.length = cache.positions.clone()  # a batch of one has no holes: its length is its next position
-        self.key_slots = torch.arange(cache.size, device=device)
+        self.key_slots = steps.slots(cache.size)
         self.kv = [(layer.keys, layer.values) for layer in cache.cache.layers]
         mark_cache_dynamic(self.kv)
-        self.graphs: dict[tuple, CapturedStep] = {}  # on a GPU, per tree: its step's CUDA graph over this cache
         self.eagle3 = type(self.heads) is Eagle3TreeDrafter
         if self.eagle3:
             self._start_drafting(hidden, prompt + [root])
@@ -312,6 +358,10 @@ class StaticStepper:
         """The EAGLE-3 drafter's cache takes the prompt's positions but the last `FRESH_ROWS`, which the first step's
         graph appends (as every step appends the positions the last one committed)."""
         width, device = self.heads.width, features.device
+        if self.steps.capture:  # the drafter's cache that goes with this decode's: the memory of the same graphs
+            self.heads.kv = self.steps.own_caches.get(self.cache)
+            self.heads.cache(self.cache.size + BUCKET)
+            self.steps.own_caches[self.cache] = self.heads.kv
         features = features[..., :width]
         count = min(features.shape[0], FRESH_ROWS)
         self.committed = features.shape[0] - count  # positions in the drafter's cache
@@ -322,7 +372,7 @@ class StaticStepper:
                       torch.tensor([self.committed], device=device))
         self.fresh_count = count
         # past any window its steps read: the drafter's entries are the committed positions', then a tree's
-        self.draft_slots = torch.arange(self.cache.size + BUCKET, device=device)
+        self.draft_slots = self.steps.slots(self.cache.size + BUCKET)
 
     def _chain(self, sequence: list[int]) -> torch.Tensor | None:
         if type(self.drafter) is not MedusaNgramDrafter:
@@ -349,16 +399,11 @@ class StaticStepper:
         return slots, keys, values
 
     def _run(self, tree: TreeBuffers, chain_nodes: torch.Tensor | None, args: tuple) -> tuple:
-        """The step of `tree` on `args`: through `StaticSteps`, or on a GPU as its CUDA graph, captured on first
-        use (`captured_step.py`)."""
+        """The step of `tree` on `args`: through `StaticSteps`, on a GPU as its CUDA graph."""
         top_k = self.heads.tree.top_k
-        if not self.steps.capture:
-            return self.steps.run(tree, top_k, chain_nodes, *args)
-        if tree.paths not in self.graphs:
-            pool = next(iter(self.graphs.values())).pool if self.graphs else None  # one pool for a decode's graphs
-            self.graphs[tree.paths] = CapturedStep(lambda *step_args: self.steps.run(tree, top_k, chain_nodes,
-                                                                                      *step_args), args, pool)
-        return self.graphs[tree.paths](*args)
+        if self.steps.capture:
+            return self.steps.replay(tree, top_k, chain_nodes, args)
+        return self.steps.run(tree, top_k, chain_nodes, *args)
 
     @torch.no_grad()
     def step(self, sequence: list[int], stats=None) -> tuple[list[int], torch.Tensor]:

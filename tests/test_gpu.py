@@ -9,7 +9,6 @@ import torch
 from medusa_heads import EMBEDDED_MODEL, MedusaModel, load_backbone, load_heads
 from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.inference import make_drafter
-from medusa_heads.inference.cache import TreeCache
 from medusa_heads.inference.generate import encode_prompt, prefill
 from medusa_heads.inference.static_step import StaticStepper, static_steps
 from medusa_heads.model import shipped_heads
@@ -55,7 +54,7 @@ def test_whole_steps_replay_as_cuda_graphs_reading_the_device_once_a_step(tokeni
     steps = static_steps(model, chosen)
     assert steps is not None
     prompt = ids[0].tolist()
-    cache = TreeCache(model.backbone, 1, len(prompt) + 64 + 2 * chosen.tree.size)
+    cache = steps.borrow_cache(len(prompt) + 64 + 2 * chosen.tree.size)
     logits, hidden = prefill(model, [prompt], cache)
     root = int(logits[0].argmax())
     stepper = StaticStepper(steps, chosen, cache, root, hidden[0], prompt)
@@ -67,7 +66,7 @@ def test_whole_steps_replay_as_cuda_graphs_reading_the_device_once_a_step(tokeni
             sequence += stepper.step(sequence)[0]
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert len(stepper.graphs) == 1
+    assert len(steps.captured) == 1
     new = sequence[len(prompt):]
     shared = min(len(new), len(reference))  # HF's answer may end at an EOS; the steps above do not stop there
     assert shared >= 32 and new[:shared] == reference[:shared]

@@ -5,6 +5,7 @@ per tree (`fullgraph=True`: a graph break fails) for every prompt and cache size
 frozen in (`frozen_step.py`), the same tokens, from a package on disk that a second model loads."""
 
 import importlib
+import itertools
 import logging
 import os
 import shutil
@@ -263,20 +264,55 @@ def replaying_on_the_cpu(captures: list):
     return capture
 
 
-@pytest.mark.parametrize("name", ["medusa+ngram", "plain"])
-def test_steps_replayed_from_captured_graphs_decode_hf_greedy(heads_folder, name, monkeypatch):
-    """On a GPU each tree's step is a CUDA graph captured per decode (`captured_step.py`), over the tensors of its
-    first call: the state each step returns must be copied into them before the next replay, whichever graph
-    returned it; the decode's graphs share one pool."""
-    eager = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
-    theirs, their_lengths = greedy(eager, name)  # the host-driven step
+def captured_steps(model: MedusaModel, monkeypatch) -> tuple[StaticSteps, list]:
+    """`model`'s steps as on a GPU, each tree's replayed from a graph that `replaying_on_the_cpu` captures here, and
+    the pools its captures were given."""
     captures = []
     monkeypatch.setattr(captured_step, "capture", replaying_on_the_cpu(captures))
-    steps = StaticSteps(eager, getattr(eager.backbone, FAST_FORWARD))
+    steps = StaticSteps(model, getattr(model.backbone, FAST_FORWARD))
     steps.capture = True
     monkeypatch.setattr(generate_module, "static_steps", lambda *args: steps)
+    return steps, captures
+
+
+@pytest.mark.parametrize("name", ["medusa+ngram", "plain"])
+def test_steps_replayed_from_captured_graphs_decode_hf_greedy(heads_folder, name, monkeypatch):
+    """On a GPU each tree's step is a CUDA graph (`captured_step.py`), captured over the memory of its first call:
+    the state each step returns must be copied in before the next replay, whichever graph returned it. A decode's
+    cache is lent by the steps and given back, so the next decodes (here of other prompts' lengths, within one
+    size) replay the same graphs; all share one pool."""
+    eager = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
+    theirs, their_lengths = greedy(eager, name)  # the host-driven step
+    steps, captures = captured_steps(eager, monkeypatch)
     ours, our_lengths = greedy(eager, name)
     assert ours == theirs == [hf_greedy(eager.backbone, ids, NEW_TOKENS) for ids in prompts()]
     assert our_lengths == their_lengths
-    trees = 2 if name == "medusa+ngram" else 1  # with and without the n-gram branch, in each decode
-    assert captures[:trees] == [None, "pool of graph 1"][:trees] and len(captures) == trees * len(prompts())
+    trees = 2 if name == "medusa+ngram" else 1  # with and without the n-gram branch
+    assert captures == [None, "pool of graph 1"][:trees]
+    assert [len(free) for free in steps.free_caches.values()] == [1]
+
+
+def test_decodes_of_other_sizes_and_at_once_capture_over_their_own_caches(heads_folder, monkeypatch):
+    """A decode that needs a longer cache borrows one of the next size and captures over it; one that runs while
+    another holds the cache borrows its own; each replays only graphs captured over its own memory, or it would
+    read another decode's cache."""
+    eager = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
+    monkeypatch.setattr(static_step, "POOLED_SIZE", 16)
+    steps, captures = captured_steps(eager, monkeypatch)
+    drafter = drafter_of(eager, "medusa")
+    short, _, long = prompts()
+    expected = {id(ids): hf_greedy(eager.backbone, ids, NEW_TOKENS) for ids in (short, long)}
+    assert decode(eager, long, drafter, max_new_tokens=NEW_TOKENS) == expected[id(long)]
+    assert decode(eager, short, drafter, max_new_tokens=NEW_TOKENS) == expected[id(short)]
+    assert sorted(steps.free_caches) == [128, 256] and len(captures) == 2  # one graph per cache size
+
+    def chunks(ids):
+        request = generate_module.Request(ids[0].tolist(), drafter_of(eager, "medusa"), max_new_tokens=NEW_TOKENS)
+        return generate_module.decode(eager, [request], [eager.backbone.generation_config.eos_token_id])
+    first, second = chunks(short), chunks(short)
+    ours = {0: [], 1: []}
+    for pair in itertools.zip_longest(first, second):  # the two decodes step in turn
+        for which, chunk in enumerate(pair):
+            ours[which] += chunk[1] if chunk else []
+    assert ours[0] == ours[1] == expected[id(short)]
+    assert len(captures) == 3 and [len(steps.free_caches[size]) for size in (128, 256)] == [2, 1]
