@@ -26,8 +26,8 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/run.log" || true
 
 # 16 prompts (2 per category) x 5 methods x 128 tokens. HF greedy costs 10-25 ms a token on a GPU (kernel launches
-# for a 30-layer model, not compute): about 40 s; each graph-replayed method a few seconds, its graphs captured in
-# its first answer and replayed by the next ones. The timeouts stop a slower run inside the 5 minutes, without its report.
+# for a 30-layer model, not compute): about 40 s; each graph-replayed method a few seconds, its graphs captured at
+# warm-up and replayed by every answer. The timeouts stop a slower run inside the 5 minutes, without its report.
 timeout 180 "$bin" bench --device cuda --dtype bfloat16 --prompts "$prompts" --per-category 2 \
     --max-new-tokens 128 --no-fp32-reference \
     --methods hf,plain,medusa+ngram:hydra-cpu-6,medusa:medusa-63,medusa+ngram:medusa-63 \

@@ -18,8 +18,10 @@ from medusa_heads.tree import TreeBuffers, canonical_tree
 from .acceptance import GreedyAcceptance
 from .cache import TreeCache
 from .draft import Acceptance, Accepted, DecodeState, Draft, Drafter
-from .static_step import StaticStepper, StaticSteps, static_steps
+from .static_step import StaticStepper, StaticSteps, static_steps, step_trees
 from .text import StopStrings, TextStream
+
+SCRATCH_PROMPT = 16  # tokens of the prompt a GPU's graphs are captured after (`capture_steps`)
 
 
 @dataclass
@@ -236,11 +238,16 @@ def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = l
     """Compile what decoding one sequence with `drafter` and `acceptance` (greedy if None) will run compiled, if
     the backbone decodes through a compiled step (`compiled_llama.py`): its whole steps (`static_step.py`), else
     the backbone's step for the sizes `drafter` verifies and the drafting of its trees where it compiles that
-    (`Eagle3TreeDrafter`); saying so through `say` first."""
+    (`Eagle3TreeDrafter`); on a GPU, capture its whole steps' CUDA graphs; saying so through `say` first."""
+    whole = static_steps(model, drafter, acceptance)
+    if whole is not None and whole.capture:
+        if trees := whole.pending(drafter):
+            say(f"capturing the whole decoding step of {len(trees)} tree{'s' * (len(trees) > 1)} as CUDA graphs")
+            capture_steps(model, whole, drafter)
+        return
     step = getattr(model.backbone, FAST_FORWARD, None)
     if not isinstance(step, CompiledLlama):
         return
-    whole = static_steps(model, drafter, acceptance)
     if whole is not None:
         if trees := whole.pending(drafter):
             steps = f"the whole decoding step of {len(trees)} tree{'s' * (len(trees) > 1)}"
@@ -264,6 +271,21 @@ def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = l
         step.warm_up(sizes, taps)
         if trees:
             heads.warm_up(trees)
+
+
+@torch.no_grad()
+def capture_steps(model: MedusaModel, steps: StaticSteps, drafter: Drafter) -> None:
+    """On a GPU, capture each tree's step of `drafter` over the smallest cache `steps` lends, as the first answer
+    would: a step of each over a scratch prompt."""
+    cache = steps.borrow_cache(1)
+    try:
+        prompt = [0] * SCRATCH_PROMPT
+        _, hidden = prefill(model, [prompt], cache)
+        stepper = StaticStepper(steps, drafter, cache, 0, hidden[0], prompt)
+        for tree, chain_nodes in step_trees(drafter):
+            stepper.step_tree(tree, chain_nodes, None if chain_nodes is None else torch.zeros_like(chain_nodes))
+    finally:
+        steps.give_back(cache)
 
 
 def decode_step(model: MedusaModel, cache: TreeCache, rows: list[tuple[Drafter, Acceptance, DecodeState]],

@@ -17,7 +17,7 @@ greedy and one sequence is decoded; everything else takes `decode_step`, which c
 a CPU with AMX, each tree's graph is a package compiled ahead of time with the weights laid out for inductor's own
 products (`frozen_step.py`), and an in-process graph only where that fails. On a GPU each tree's step is replayed
 as a CUDA graph (`captured_step.py`), over a KV cache the steps lend to one decode after another, so that the
-graphs captured in the first answer serve the next ones.
+graphs captured once (at warm-up, `generate.capture_steps`) serve every answer.
 """
 
 import logging
@@ -193,8 +193,11 @@ class StaticSteps:
         return self.captured[key](*args)
 
     def pending(self, drafter: Drafter) -> list[TreeBuffers]:
-        """The trees of `drafter` whose step a decode would compile now."""
+        """The trees of `drafter` whose step a decode would compile now (on a GPU: capture)."""
         top_k = heads_of(drafter).tree.top_k
+        if self.capture:
+            return [tree for tree, _ in step_trees(drafter) if not any(key[:2] == (tree.paths, top_k)
+                                                                       for key in self.captured)]
         if self.failed or self.compiled is None:
             return []
         return [tree for tree, _ in step_trees(drafter) if (tree.paths, top_k) not in self.ready]
@@ -417,6 +420,15 @@ class StaticStepper:
             tree, chain_nodes = self.heads.tree, None
         else:
             tree, chain_nodes = self.drafter.tree, self.drafter.chain_nodes
+        tokens, hidden = self.step_tree(tree, chain_nodes, chain, stats)
+        if stats is not None:
+            stats.verify_seconds += time.perf_counter() - start_time
+        return tokens, hidden
+
+    def step_tree(self, tree: TreeBuffers, chain_nodes: torch.Tensor | None, chain: torch.Tensor | None,
+                  stats=None) -> tuple[list[int], torch.Tensor]:
+        """`step`, verifying `tree` (one of `step_trees(drafter)`) with the n-gram branch's tokens `chain` at its
+        nodes `chain_nodes`."""
         window = self.cache.reserve(tree.size)
         key_slots = self.key_slots if self.steps.capture else self.key_slots[:window]  # a graph reads every slot
         torch._dynamo.mark_dynamic(key_slots, 0)  # one graph for every context length
@@ -434,7 +446,6 @@ class StaticStepper:
             self.heads.committed, self.fresh_count = self.committed, accepted + 1
         if stats is not None:
             stats.record(tree.paths, host[: accepted + 1])
-            stats.verify_seconds += time.perf_counter() - start_time
         hidden = self.state[0][: accepted + 1] if self.eagle3 else self.state[0][None]
         return host[width + 1 : width + accepted + 1] + [bonus], hidden
 

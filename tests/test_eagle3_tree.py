@@ -178,6 +178,12 @@ def test_whole_steps_draft_and_decode_as_the_host_driven_step(tiny, tokenizer, c
     draft, fill = TreeDraft.__call__, EagleDrafter.fill
     monkeypatch.setattr(TreeDraft, "__call__", lambda self, *args: recorded(ours, draft(self, *args), capture))
     monkeypatch.setattr(EagleDrafter, "fill", lambda self, *args: recorded(theirs, fill(self, *args), capture))
+    if captured:  # each tree's graph captured beforehand, with another drafter
+        with monkeypatch.context() as patch:
+            patch.setattr(generate_module, "static_steps", lambda *args: steps)
+            warm_up(model, make_drafter(model, "medusa+ngram", tree=tree_file, draft_length=4))
+        assert len(captures) == 2
+        ours.clear()
     for prompt in (encode_prompt(tokenizer, p) for p in chat_prompts[:2]):
         drafter = make_drafter(model, "medusa+ngram", tree=tree_file, draft_length=4)
         reference = MedusaNgramDrafter(EagleDrafter(model, drafter.heads.tree), ngram_length=4)
@@ -187,7 +193,7 @@ def test_whole_steps_draft_and_decode_as_the_host_driven_step(tiny, tokenizer, c
             assert decode(model, prompt, drafter, max_new_tokens=48) == expected == hf_greedy(model.backbone, prompt,
                                                                                               48)
     assert ours == theirs and len(ours) > 10
-    # a graph per tree, replayed by both decodes: the second's caches, its drafter's too, were the first's
+    # a graph per tree, replayed by both decodes: their caches, their drafters' too, were warm-up's
     assert len(captures) == (2 if captured else 0)
 
 

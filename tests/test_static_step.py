@@ -278,17 +278,19 @@ def captured_steps(model: MedusaModel, monkeypatch) -> tuple[StaticSteps, list]:
 @pytest.mark.parametrize("name", ["medusa+ngram", "plain"])
 def test_steps_replayed_from_captured_graphs_decode_hf_greedy(heads_folder, name, monkeypatch):
     """On a GPU each tree's step is a CUDA graph (`captured_step.py`), captured over the memory of its first call:
-    the state each step returns must be copied in before the next replay, whichever graph returned it. A decode's
-    cache is lent by the steps and given back, so the next decodes (here of other prompts' lengths, within one
-    size) replay the same graphs; all share one pool."""
+    the state each step returns must be copied in before the next replay, whichever graph returned it. `warm_up`
+    captures them over a scratch prompt in a cache the steps lend and take back, which they lend to the decodes
+    after (here of other prompts' lengths, within one size): they replay the same graphs; all share one pool."""
     eager = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
     theirs, their_lengths = greedy(eager, name)  # the host-driven step
     steps, captures = captured_steps(eager, monkeypatch)
+    warm_up(eager, drafter_of(eager, name))
+    trees = 2 if name == "medusa+ngram" else 1  # with and without the n-gram branch
+    assert captures == [None, "pool of graph 1"][:trees] and not steps.pending(drafter_of(eager, name))
     ours, our_lengths = greedy(eager, name)
     assert ours == theirs == [hf_greedy(eager.backbone, ids, NEW_TOKENS) for ids in prompts()]
     assert our_lengths == their_lengths
-    trees = 2 if name == "medusa+ngram" else 1  # with and without the n-gram branch
-    assert captures == [None, "pool of graph 1"][:trees]
+    assert len(captures) == trees  # the answers replayed the graphs `warm_up` captured
     assert [len(free) for free in steps.free_caches.values()] == [1]
 
 
