@@ -27,9 +27,11 @@ def test_the_seed_prompts_are_installed_with_the_package():
 
     import medusa_heads.training
 
-    pyproject = tomllib.loads((BENCH.parent.parent / "pyproject.toml").read_text())
-    globs = pyproject["tool"]["setuptools"]["package-data"].get("medusa_heads.training", [])
-    assert any(fnmatch(str(SHIPPED.relative_to(Path(medusa_heads.training.__file__).parent)), g) for g in globs)
+    setuptools = tomllib.loads((BENCH.parent.parent / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package = "medusa_heads.training." + SHIPPED.parent.name  # the folder it lies in, a package of data
+    globs = setuptools["package-data"].get(package, [])
+    folder = Path(medusa_heads.training.__file__).parent / SHIPPED.parent.name
+    assert package in setuptools["packages"] and any(fnmatch(str(SHIPPED.relative_to(folder)), g) for g in globs)
 
 
 def test_listed_items_keeps_complete_items_of_fitting_length():
