@@ -171,7 +171,7 @@ class StaticSteps:
 
     def give_back(self, cache: TreeCache) -> None:
         """`cache`, which a decode no longer uses, to the next decode of its size."""
-        if self.capture and cache.batch_size == 1:
+        if self.capture:
             self.free_caches.setdefault(cache.size, []).append(cache)
 
     def slots(self, n: int) -> torch.Tensor:
@@ -361,9 +361,11 @@ class StaticStepper:
         """The EAGLE-3 drafter's cache takes the prompt's positions but the last `FRESH_ROWS`, which the first step's
         graph appends (as every step appends the positions the last one committed)."""
         width, device = self.heads.width, features.device
+        # past any window its steps read: the drafter's entries are the committed positions', then a tree's
+        self.draft_slots = self.steps.slots(self.cache.size + BUCKET)
         if self.steps.capture:  # the drafter's cache that goes with this decode's: the memory of the same graphs
             self.heads.kv = self.steps.own_caches.get(self.cache)
-            self.heads.cache(self.cache.size + BUCKET)
+            self.heads.cache(self.draft_slots.shape[0])
             self.steps.own_caches[self.cache] = self.heads.kv
         features = features[..., :width]
         count = min(features.shape[0], FRESH_ROWS)
@@ -374,8 +376,6 @@ class StaticStepper:
         self.state = (fresh, after, torch.tensor([count], device=device),
                       torch.tensor([self.committed], device=device))
         self.fresh_count = count
-        # past any window its steps read: the drafter's entries are the committed positions', then a tree's
-        self.draft_slots = self.steps.slots(self.cache.size + BUCKET)
 
     def _chain(self, sequence: list[int]) -> torch.Tensor | None:
         if type(self.drafter) is not MedusaNgramDrafter:
