@@ -9,9 +9,11 @@ as CUDA graphs (`captured_step.py`) against the host-driven step:
     python benchmarks/whole_step.py --prompts 16 --dtype bfloat16
     python benchmarks/whole_step.py --heads smollm2-135m-embedded-eagle3 --tree eagle3-bf16-8 --quantize-drafter int8
     python benchmarks/whole_step.py --device cuda --tree medusa-63
+    python benchmarks/whole_step.py --acceptance exact   # at --temperature 0.7, a prompt's seed the same each way
 
 For each way: tokens/s and ms a step (medians over prompts), tokens a step, and how many answers equal the
-first row's (greedy: every way gives the backbone's greedy answer, up to bf16 rounding in the forward). With
+first row's (greedy: every way gives the backbone's greedy answer, up to bf16 rounding in the forward; sampling:
+every way draws the same random numbers, so answers differ only where that rounding tips a draw). With
 `--profile`, then where the whole step's time goes: torch.profiler's operators over one answer, by self CPU time.
 """
 
@@ -28,8 +30,8 @@ from transformers import AutoTokenizer
 from medusa_heads import MedusaModel
 from medusa_heads.backbone import weight_bytes
 from medusa_heads.fast_llama import FAST_FORWARD
-from medusa_heads.inference import frozen_step, generate, make_drafter, warm_up
-from medusa_heads.inference.static_step import StaticSteps, heads_of, step_trees
+from medusa_heads.inference import frozen_step, generate, make_acceptance, make_drafter, warm_up
+from medusa_heads.inference.static_step import StaticSteps, heads_of, step_rule, step_trees
 
 PROMPTS = Path(__file__).parent / "prompts.jsonl"
 PRETRAINED = Path(__file__).parents[1] / "medusa_heads" / "pretrained"
@@ -65,6 +67,8 @@ def main() -> None:
     parser.add_argument("--tree", default="hydra-cpu-6")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--acceptance", default="greedy", choices=["greedy", "exact", "typical"])
+    parser.add_argument("--temperature", type=float, default=0.7, help="exact, typical: the temperature")
     parser.add_argument("--profile", action="store_true", help="then profile the whole step over one answer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -85,14 +89,19 @@ def main() -> None:
             "plain, host-driven (the forward alone)": (plain, None)}
     ways = {way: spec for way, spec in ways.items() if frozen or "frozen" not in way}
 
+    def acceptance(seed: int = 0):
+        if args.acceptance == "greedy":
+            return None
+        return make_acceptance(args.acceptance, args.temperature, seed=seed, device=args.device)
+
     def run(prompt: str, way: str, tokens: int):
         drafter, steps = ways[way]
         with stepping(steps):
-            return generate(model, tokenizer, prompt, drafter, max_new_tokens=tokens)
+            return generate(model, tokenizer, prompt, drafter, acceptance(prompts.index(prompt)), max_new_tokens=tokens)
 
     for way, (drafter, steps) in ways.items():
         with stepping(steps):
-            warm_up(model, drafter, print)
+            warm_up(model, drafter, print, acceptance())
         run(prompts[0], way, 32)
     results: dict[str, list] = {way: [] for way in ways}
     for prompt in prompts:
@@ -101,8 +110,9 @@ def main() -> None:
             stats = answer.stats
             results[way].append((stats.new_tokens / stats.decode_seconds, 1000 * stats.decode_seconds / stats.steps,
                                  stats.mean_accepted_length, answer.token_ids))
+    sampling = f"{args.acceptance} acceptance" + (f" at temperature {args.temperature}" if acceptance() else "")
     print(f"{args.dtype}, {args.threads} threads, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
-          f"tree {args.tree} + n-gram chain")
+          f"tree {args.tree} + n-gram chain, {sampling}")
     print("| decoding | tokens/s | ms a step | tokens a step | answers equal to the first row's |")
     print("|---|---|---|---|---|")
     first = next(iter(results.values()))
@@ -111,7 +121,9 @@ def main() -> None:
         print(f"| {way} | {statistics.median(r[0] for r in rows):.1f} | {statistics.median(r[1] for r in rows):.2f} "
               f"| {statistics.mean(r[2] for r in rows):.2f} | {same} of {len(rows)} |")
     if frozen:
-        sizes = [frozen_step.package_path(model, tree, heads_of(drafter).tree.top_k, nodes is not None).stat().st_size
+        rule = step_rule(acceptance())
+        sizes = [frozen_step.package_path(model, tree, heads_of(drafter).tree.top_k, nodes is not None, rule)
+                 .stat().st_size
                  for drafter in (tree_drafter, plain) for tree, nodes in step_trees(drafter)]
         print(f"\nThe frozen packages: {', '.join(f'{size / 1e6:.0f}' for size in sizes)} MB on disk, the backbone's "
               f"weights {weight_bytes(model.backbone) / 1e6:.0f} MB")

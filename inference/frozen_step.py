@@ -34,6 +34,7 @@ from medusa_heads.backbone import cache_home, first_line, weight_bytes
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
 
+from .acceptance import StepRule
 from .cache import BUCKET
 
 logger = logging.getLogger(__name__)
@@ -62,18 +63,19 @@ class _Exportable(nn.Module):
         super().__init__()
         self.step = step
 
-    def forward(self, root, state, chain, length, key_slots, kv, own_cache):
-        return self.step(root, state, chain, length, key_slots, kv, own_cache)
+    def forward(self, root, state, sampling, chain, length, key_slots, kv, own_cache):
+        return self.step(root, state, sampling, chain, length, key_slots, kv, own_cache)
 
 
-def package_path(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool) -> Path:
-    """Where the package of `model`'s whole step on `tree` (with the n-gram branch if `chain`) is kept: named by a
-    digest of the weights, the step's code, the tree, the software and the threads. The root alone (plain decoding)
+def package_path(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool, rule: StepRule | None = None) -> Path:
+    """Where the package of `model`'s whole step on `tree` (with the n-gram branch if `chain`, accepting by `rule`:
+    greedy if None) is kept: named by a digest of the weights, the step's code, the tree, the rule, the software and
+    the threads. The root alone (plain decoding)
     has no drafting: its package is the backbone's whatever the heads."""
     drafts = tree.size > 1
     digest = hashlib.blake2b(_weights_digest(model.backbone), digest_size=16)
     modules = ["medusa_heads.fast_llama", "medusa_heads.inference.static_step", "medusa_heads.inference.frozen_step",
-               "medusa_heads.inference.acceptance"]
+               "medusa_heads.inference.acceptance", "medusa_heads.inference.sampling"]
     if drafts:
         digest.update(_weights_digest(model.heads))
         modules += ["medusa_heads.inference.drafters.heads", "medusa_heads.inference.drafters.eagle3_tree",
@@ -82,7 +84,7 @@ def package_path(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool)
         digest.update(Path(sys.modules[name].__file__).read_bytes())
     # the thread count too: inductor's products split their work among the threads it compiles for
     for part in (torch.__version__, torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), tree.paths,
-                 top_k, chain):
+                 top_k, chain, rule):
         digest.update(repr(part).encode())
     return cache_home() / "steps" / f"{digest.hexdigest()}.pt2"
 
@@ -108,7 +110,7 @@ def _weights_digest(module: nn.Module) -> bytes:
 def _export(step: Callable, tree: TreeBuffers, args: tuple) -> torch.export.ExportedProgram:
     """`step` on `tree` exported for arguments like `args` (`StaticSteps.scratch_args`), over any window and cache
     size."""
-    root, state, chain, length, key_slots, kv, own_cache = args
+    root, state, sampling, chain, length, key_slots, kv, own_cache = args
     cache = torch.export.Dim("cache", min=key_slots.shape[0], max=1 << 24)
     window = torch.export.Dim("window", min=tree.size + 1, max=1 << 24)
     own = ()
@@ -116,17 +118,17 @@ def _export(step: Callable, tree: TreeBuffers, args: tuple) -> torch.export.Expo
         own_window = torch.export.Dim("own_window", min=BUCKET, max=1 << 24)
         own_size = torch.export.Dim("own_size", min=own_cache[0].shape[0], max=1 << 24)
         own = ({0: own_window}, {2: own_size}, {2: own_size})
-    shapes = (None, (None,) * len(state), None, None, {0: window}, [({2: cache}, {2: cache}) for _ in kv],
-              own)
+    shapes = (None, (None,) * len(state), (None,) * len(sampling), None, None, {0: window},
+              [({2: cache}, {2: cache}) for _ in kv], own)
     return torch.export.export(_Exportable(step), args, dynamic_shapes=shapes)
 
 
-def load_or_build(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool,
+def load_or_build(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool, rule: StepRule | None,
                   plain_step: Callable[[], tuple[Callable, tuple]]) -> Callable:
-    """The frozen package of `model`'s whole step on `tree` (with the n-gram branch if `chain`), loaded from the
-    cache folder, or built there first (again, where the one there does not load) from `plain_step()`: that
-    `StaticStep` over plain weights and example arguments; called as `StaticStep` is."""
-    path = package_path(model, tree, top_k, chain)
+    """The frozen package of `model`'s whole step on `tree` (with the n-gram branch if `chain`, accepting by `rule`),
+    loaded from the cache folder, or built there first (again, where the one there does not load) from
+    `plain_step()`: that `StaticStep` over plain weights and example arguments; called as `StaticStep` is."""
+    path = package_path(model, tree, top_k, chain, rule)
     if path.exists():
         try:
             os.utime(path)  # recently used: `prune` keeps it

@@ -1,5 +1,6 @@
 """The decoding loop: prefill, then tree steps (propose -> verify in one forward -> accept -> compact)."""
 
+import copy
 import time
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -15,10 +16,10 @@ from medusa_heads.fast_llama import FAST_FORWARD
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers, canonical_tree
 
-from .acceptance import GreedyAcceptance
+from .acceptance import GreedyAcceptance, RuleAcceptance
 from .cache import TreeCache
 from .draft import Acceptance, Accepted, DecodeState, Draft, Drafter
-from .static_step import StaticStepper, StaticSteps, static_steps, step_trees
+from .static_step import StaticStepper, StaticSteps, static_steps, step_rule, step_trees
 from .text import StopStrings, TextStream
 
 SCRATCH_PROMPT = 16  # tokens of the prompt a GPU's graphs are captured after (`capture_steps`)
@@ -240,24 +241,25 @@ def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = l
     the backbone's step for the sizes `drafter` verifies and the drafting of its trees where it compiles that
     (`Eagle3TreeDrafter`); on a GPU, capture its whole steps' CUDA graphs; saying so through `say` first."""
     whole = static_steps(model, drafter, acceptance)
+    rule = step_rule(acceptance)
     if whole is not None and whole.capture:
-        if trees := whole.pending(drafter):
+        if trees := whole.pending(drafter, rule):
             say(f"capturing the whole decoding step of {len(trees)} tree{'s' * (len(trees) > 1)} as CUDA graphs")
-            capture_steps(model, whole, drafter)
+            capture_steps(model, whole, drafter, acceptance)
         return
     step = getattr(model.backbone, FAST_FORWARD, None)
     if not isinstance(step, CompiledLlama):
         return
     if whole is not None:
-        if trees := whole.pending(drafter):
+        if trees := whole.pending(drafter, rule):
             steps = f"the whole decoding step of {len(trees)} tree{'s' * (len(trees) > 1)}"
-            if whole.stored(drafter):
+            if whole.stored(drafter, rule):
                 say(f"loading {steps}, compiled ahead of time, from the disk cache")
             else:
                 how = (" ahead of time, the weights laid out for this CPU: about 90 s a tree the first time"
                        if whole.frozen else ": about 40 s a graph the first time")
                 say(f"compiling {steps}{how}, then seconds from the disk cache")
-            whole.warm_up(drafter)
+            whole.warm_up(drafter, rule)
         return
     taps = getattr(model.backbone, FEATURE_LAYERS, ())
     sizes = step.pending(step_sizes(drafter), taps)
@@ -274,14 +276,19 @@ def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = l
 
 
 @torch.no_grad()
-def capture_steps(model: MedusaModel, steps: StaticSteps, drafter: Drafter) -> None:
-    """On a GPU, capture each tree's step of `drafter` over the smallest cache `steps` lends, as the first answer
-    would: a step of each over a scratch prompt."""
+def capture_steps(model: MedusaModel, steps: StaticSteps, drafter: Drafter, acceptance: Acceptance | None = None
+                  ) -> None:
+    """On a GPU, capture each tree's step of `drafter` accepting by `acceptance` over the smallest cache `steps`
+    lends, as the first answer would: a step of each over a scratch prompt (an exact rule draws its numbers from a
+    generator of its own here, leaving the answers' alone)."""
     cache = steps.borrow_cache(1)
     try:
         prompt = [0] * SCRATCH_PROMPT
         _, hidden = prefill(model, [prompt], cache)
-        stepper = StaticStepper(steps, drafter, cache, 0, hidden[0], prompt)
+        if isinstance(acceptance, RuleAcceptance):
+            acceptance = copy.copy(acceptance)
+            acceptance.generator = None
+        stepper = StaticStepper(steps, drafter, cache, 0, hidden[0], prompt, acceptance)
         for tree, chain_nodes in step_trees(drafter):
             stepper.step_tree(tree, chain_nodes, None if chain_nodes is None else torch.zeros_like(chain_nodes))
     finally:
@@ -431,7 +438,7 @@ def _decode_in(cache: TreeCache, steps: StaticSteps | None, model: MedusaModel, 
     stepper = None
     if steps is not None and not finished:
         stepper = StaticStepper(steps, rows[0].request.drafter, cache, rows[0].sequence[-1], rows[0].hidden,
-                                rows[0].request.input_ids)
+                                rows[0].request.input_ids, rows[0].request.acceptance)
     start = time.perf_counter()
     while True:
         if finished:

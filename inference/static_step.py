@@ -1,6 +1,7 @@
 r"""
-A whole tree step as one compiled graph: the drafting of a static tree, the backbone's forward over it, greedy
-acceptance and the KV cache's compaction, for a batch of one, with one read from the device per step.
+A whole tree step as one compiled graph: the drafting of a static tree, the backbone's forward over it, its
+acceptance (greedy, or sampling) and the KV cache's compaction, for a batch of one, with one read from the device per
+step.
 
 `decode_step` runs a step as a few hundred host-driven operations between the compiled forward's graph and the
 drafter (`compiled_llama.py`): drafting, building the tree's mask, picking the accepted path, moving its entries
@@ -13,7 +14,9 @@ staying on the device; `torch.compile` turns it into one graph per tree. The hos
 It applies where the backbone decodes through a `CompiledLlama` (or, on a GPU, the fast forward), the drafter is a
 `MedusaDrafter` (Medusa or Hydra heads) or an `Eagle3TreeDrafter`, alone or with an n-gram branch
 (`MedusaNgramDrafter`), or a `PlainDrafter` (plain decoding is the step of a tree of the root alone), acceptance is
-greedy and one sequence is decoded; everything else takes `decode_step`, which computes the same tokens. In bf16 on
+greedy, exact or typical (`ExactRule`, `TypicalRule`: their settings and each step's random numbers are inputs, drawn
+on the host from the rule's generator as `decode_step` draws them, so a seed gives the same tokens either way) and one
+sequence is decoded; everything else takes `decode_step`, which computes the same tokens. In bf16 on
 a CPU with AMX, each tree's graph is a package compiled ahead of time with the weights laid out for inductor's own
 products (`frozen_step.py`), and an in-process graph only where that fails. On a GPU each tree's step is replayed
 as a CUDA graph (`captured_step.py`), over a KV cache the steps lend to one decode after another, so that the
@@ -34,7 +37,7 @@ from medusa_heads.fast_llama import FAST_FORWARD, FastLlama
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
 
-from .acceptance import GreedyAcceptance
+from .acceptance import ExactAcceptance, GreedyAcceptance, StepRule, TypicalAcceptance, sibling_table
 from .cache import BUCKET, TreeCache, round_up
 from .captured_step import CapturedStep, tensors
 from . import frozen_step
@@ -46,18 +49,20 @@ from .drafters.plain import PlainDrafter
 
 logger = logging.getLogger(__name__)
 
-MEMORY = 4  # a step's arguments from here on are memory it reads and writes in place: slots, caches
+STEP_RULES = (ExactAcceptance, TypicalAcceptance)  # the sampling rules a whole step accepts by, besides greedy
+MEMORY = 5  # a step's arguments from here on are memory it reads and writes in place: slots, caches
 POOLED_SIZE = 1024  # the smallest cache a GPU's graphs are captured over: most chats' decodes then share one size
 
 
 class StaticStep:
     r"""
     One tree step of a batch of one as a function of tensors, for the static tree `tree` (its nodes `chain_nodes`
-    taking the n-gram branch's tokens, if given), drafted by `draft` (a `HeadsDraft`; None for the root alone).
+    taking the n-gram branch's tokens, if given), drafted by `draft` (a `HeadsDraft`; None for the root alone),
+    accepting by `rule` (an `ExactRule` or a `TypicalRule`; None: greedy).
 
-    (root [1], state: (the hidden state that predicted the root [H],), the chain's tokens [L] or None, the cache's
-    length [1], key slots [window] (0, 1, ... : the attention window), per layer (keys, values) [1, H_kv, S, D], the
-    drafter's own cache: ())
+    (root [1], state: (the hidden state that predicted the root [H],), sampling: the rule's inputs (greedy: (); else
+    its acceptance's `step_inputs`), the chain's tokens [L] or None, the cache's length [1], key slots [window] (0, 1,
+    ... : the attention window), per layer (keys, values) [1, H_kv, S, D], the drafter's own cache: ())
     -> (what the host reads: accepted path [D + 1] (node ids, padded), its tokens [D + 1], accepted length, bonus;
     the next root [1]; the next state; the cache's next length [1]).
     The tree's entries are written at slots length, length + 1, ...; the accepted path's entries then move down to
@@ -65,22 +70,25 @@ class StaticStep:
     """
 
     def __init__(self, fast: FastLlama, tree: TreeBuffers, chain_nodes: torch.Tensor | None,
-                 draft: Callable | None, taps: tuple[int, ...] = ()):
+                 draft: Callable | None, taps: tuple[int, ...] = (), rule: StepRule | None = None):
         self.fast, self.tree, self.chain_nodes, self.draft, self.taps = fast, tree, chain_nodes, draft, taps
         self.size = tree.size  # dynamo does not trace `TreeBuffers`' properties (`tree/` reads as the `tree` package)
         device = tree.depth.device
+        self.rule = rule
+        self.earlier = sibling_table(tree.paths, str(device)) if rule else None
         self.node_slots = torch.arange(tree.size, device=device)
         self.path_slots = torch.arange(tree.max_depth + 1, device=device)
 
-    def __call__(self, root: torch.Tensor, state: tuple, chain: torch.Tensor | None, length: torch.Tensor,
-                 key_slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], own_cache: tuple):
+    def __call__(self, root: torch.Tensor, state: tuple, sampling: tuple, chain: torch.Tensor | None,
+                 length: torch.Tensor, key_slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                 own_cache: tuple):
         hidden, = state
         tokens = root if self.draft is None else self.draft(hidden, root)
-        packet, bonus, path, accepted, hidden_states = self.verify(tokens, chain, length, key_slots, kv)
+        packet, bonus, path, accepted, hidden_states = self.verify(tokens, sampling, chain, length, key_slots, kv)
         last = hidden_states.index_select(0, path.gather(0, accepted))[0]  # that predicted the bonus
         return packet, bonus, (last,), length + accepted + 1
 
-    def verify(self, tokens: torch.Tensor, chain: torch.Tensor | None, length: torch.Tensor,
+    def verify(self, tokens: torch.Tensor, sampling: tuple, chain: torch.Tensor | None, length: torch.Tensor,
                key_slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]]):
         """The tree's tokens [T] (the n-gram branch's nodes replaced by `chain`) through the backbone, accepted and
         compacted -> (the host's packet, bonus [1], accepted path [D + 1], accepted length [1], the backbone's
@@ -95,8 +103,11 @@ class StaticStep:
         last, hidden_states = self.fast.decode(tokens[None], (length + tree.depth)[None], mask[None, None], kv,
                                                length + self.node_slots, self.taps)
         logits = self.fast.lm_head(last)
-        paths, accepted, bonus = GreedyAcceptance.accept_rows(tree, tokens[None], logits)
-        path = paths[0]
+        if self.rule is None:
+            paths, accepted, bonus = GreedyAcceptance.accept_rows(tree, tokens[None], logits)
+            path = paths[0]
+        else:
+            path, accepted, bonus = self.rule(tree, self.earlier, tokens, logits[0], *sampling)
         source, target = length + path, length + self.path_slots  # past the accepted length: copies nobody reads
         for keys, values in kv:
             keys.index_copy_(2, target, keys.index_select(2, source))
@@ -115,14 +126,15 @@ class Eagle3StaticStep(StaticStep):
     [window'], its keys and values [1, H_kv, S', D]).
     """
 
-    def __call__(self, root: torch.Tensor, state: tuple, chain: torch.Tensor | None, length: torch.Tensor,
-                 key_slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], own_cache: tuple):
+    def __call__(self, root: torch.Tensor, state: tuple, sampling: tuple, chain: torch.Tensor | None,
+                 length: torch.Tensor, key_slots: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]],
+                 own_cache: tuple):
         fresh, after, count, committed = state
         draft_slots, draft_keys, draft_values = own_cache
         window = draft_slots.shape[0]
         tokens = self.draft(fresh, after, committed, count, root, draft_keys[:, :, :window],
                             draft_values[:, :, :window])
-        packet, bonus, path, accepted, features = self.verify(tokens, chain, length, key_slots, kv)
+        packet, bonus, path, accepted, features = self.verify(tokens, sampling, chain, length, key_slots, kv)
         rows = torch.arange(fresh.shape[0], device=fresh.device)
         deepest = path.shape[0] - 1
         on_path = path.index_select(0, rows.clamp(max=deepest))  # padded: rows past the accepted length are unread
@@ -180,51 +192,56 @@ class StaticSteps:
             self._slots[n] = torch.arange(n, device=self.fast.embed.weight.device)
         return self._slots[n]
 
-    def replay(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None, args: tuple) -> tuple:
+    def replay(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None, rule: StepRule | None,
+               args: tuple) -> tuple:
         """The step of `tree` on `args` as a CUDA graph (`captured_step.py`), captured on first use over the memory
         `args` name (the slots, the caches) and replayed while they stay the same: for the next decodes too, since
         their caches come from `borrow_cache`."""
-        key = tree.paths, top_k, tuple((tensor.data_ptr(), tensor.shape) for tensor in tensors(args[MEMORY:]))
+        key = tree.paths, top_k, rule, tuple((tensor.data_ptr(), tensor.shape) for tensor in tensors(args[MEMORY:]))
         if key not in self.captured:
             logger.info("Capturing the whole step of a %d-node tree as a CUDA graph", tree.size)
-            graph = CapturedStep(lambda *step_args: self.run(tree, top_k, chain_nodes, *step_args), args,
+            graph = CapturedStep(lambda *step_args: self.run(tree, top_k, chain_nodes, rule, *step_args), args,
                                  self.graph_pool)
             self.graph_pool, self.captured[key] = graph.pool, graph
         return self.captured[key](*args)
 
-    def pending(self, drafter: Drafter) -> list[TreeBuffers]:
-        """The trees of `drafter` whose step a decode would compile now (on a GPU: capture)."""
+    def pending(self, drafter: Drafter, rule: StepRule | None = None) -> list[TreeBuffers]:
+        """The trees of `drafter` whose step accepting by `rule` a decode would compile now (on a GPU: capture)."""
         top_k = heads_of(drafter).tree.top_k
         if self.capture:
-            return [tree for tree, _ in step_trees(drafter) if not any(key[:2] == (tree.paths, top_k)
+            return [tree for tree, _ in step_trees(drafter) if not any(key[:3] == (tree.paths, top_k, rule)
                                                                        for key in self.captured)]
         if self.failed or self.compiled is None:
             return []
-        return [tree for tree, _ in step_trees(drafter) if (tree.paths, top_k) not in self.ready]
+        return [tree for tree, _ in step_trees(drafter) if (tree.paths, top_k, rule) not in self.ready]
 
-    def stored(self, drafter: Drafter) -> bool:
+    def stored(self, drafter: Drafter, rule: StepRule | None = None) -> bool:
         """Whether every step `pending` lists for `drafter` is a frozen package on disk: loaded, not compiled."""
         top_k = heads_of(drafter).tree.top_k
-        pending = {tree.paths for tree in self.pending(drafter)}
-        return self.frozen and all(frozen_step.package_path(self.model, tree, top_k, chain_nodes is not None).exists()
-                                   for tree, chain_nodes in step_trees(drafter) if tree.paths in pending)
+        pending = {tree.paths for tree in self.pending(drafter, rule)}
+        return self.frozen and all(
+            frozen_step.package_path(self.model, tree, top_k, chain_nodes is not None, rule).exists()
+            for tree, chain_nodes in step_trees(drafter) if tree.paths in pending)
 
-    def step(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None, twin: str) -> StaticStep:
-        """The step of `tree` over the weights as `twin` says: "eager" (as the model holds them), "opaque" (through
-        the operators an in-process graph can hold) or "plain" (for a graph that lays them out itself)."""
+    def step(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None, rule: StepRule | None,
+             twin: str) -> StaticStep:
+        """The step of `tree`, accepting by `rule`, over the weights as `twin` says: "eager" (as the model holds them),
+        "opaque" (through the operators an in-process graph can hold) or "plain" (for a graph that lays them out
+        itself)."""
         fast = {"eager": lambda: self.fast, "opaque": lambda: self.compiled.compilable,
                 "plain": lambda: FastLlama(self.model.backbone, plain=True)}[twin]()
         if tree.size == 1:  # the root alone: plain decoding
-            return StaticStep(fast, tree, chain_nodes, None)
+            return StaticStep(fast, tree, chain_nodes, None, rule=rule)
         if self.eagle3 is None:
             linears = "packed" if twin == "eager" else twin
-            return StaticStep(fast, tree, chain_nodes, HeadsDraft(self.model, tree, top_k, linears))
+            return StaticStep(fast, tree, chain_nodes, HeadsDraft(self.model, tree, top_k, linears), rule=rule)
         drafting = {"eager": lambda: self.eagle3.fast, "opaque": lambda: self.eagle3.compiled,
                     "plain": lambda: FastEagle3(self.model.heads, self.model.backbone.get_input_embeddings(),
                                                 plain=True)}[twin]()
-        return Eagle3StaticStep(fast, tree, chain_nodes, TreeDraft(drafting, tree, top_k), self.taps)
+        return Eagle3StaticStep(fast, tree, chain_nodes, TreeDraft(drafting, tree, top_k), self.taps, rule)
 
-    def scratch_args(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None) -> tuple:
+    def scratch_args(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None, rule: StepRule | None
+                     ) -> tuple:
         """The arguments of a step of `tree` over scratch buffers, their sizes marked dynamic: what warm-up and
         `frozen_step` step."""
         like = self.compiled.eager.embed.weight
@@ -236,8 +253,9 @@ class StaticSteps:
         torch._dynamo.mark_dynamic(key_slots, 0)
         chain = None if chain_nodes is None else chain_nodes.new_zeros(chain_nodes.shape)
         root, length = like.new_zeros(1, dtype=torch.long), torch.tensor([context], device=like.device)
+        sampling = () if rule is None else rule.scratch_inputs(tree.size, like.device)
         if tree.size == 1 or self.eagle3 is None:
-            return root, (like.new_zeros(like.shape[1]),), chain, length, key_slots, kv, ()
+            return root, (like.new_zeros(like.shape[1]),), sampling, chain, length, key_slots, kv, ()
         layer, drafted = self.eagle3.fast.layer, self.eagle3.draft(tree, top_k).drafted
         draft_window = round_up(context + FRESH_ROWS + drafted)
         draft_kv = [like.new_zeros(1, layer.kv_heads, 2 * draft_window, layer.head_dim) for _ in range(2)]
@@ -247,28 +265,29 @@ class StaticSteps:
         width = like.shape[1] * (1 + len(self.taps))
         state = (like.new_zeros(FRESH_ROWS, width), like.new_zeros(FRESH_ROWS, dtype=torch.long),
                  torch.tensor([1], device=like.device), length.clone())
-        return root, state, chain, length, key_slots, kv, (draft_slots, *draft_kv)
+        return root, state, sampling, chain, length, key_slots, kv, (draft_slots, *draft_kv)
 
     @torch.no_grad()
-    def warm_up(self, drafter: Drafter) -> None:
-        """Compile the steps of `drafter`'s trees now, each with a step over scratch buffers."""
+    def warm_up(self, drafter: Drafter, rule: StepRule | None = None) -> None:
+        """Compile the steps of `drafter`'s trees accepting by `rule` now, each with a step over scratch buffers."""
         top_k = heads_of(drafter).tree.top_k
-        pending = {tree.paths for tree in self.pending(drafter)}
+        pending = {tree.paths for tree in self.pending(drafter, rule)}
         for tree, chain_nodes in step_trees(drafter):
             if tree.paths in pending and not self.failed:
-                self.run(tree, top_k, chain_nodes, *self.scratch_args(tree, top_k, chain_nodes))
+                self.run(tree, top_k, chain_nodes, rule, *self.scratch_args(tree, top_k, chain_nodes, rule))
 
-    def run(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None, *args):
-        key = tree.paths, top_k
+    def run(self, tree: TreeBuffers, top_k: int, chain_nodes: torch.Tensor | None, rule: StepRule | None, *args):
+        key = tree.paths, top_k, rule
         if self.failed or self.compiled is None:
             if key not in self.eager:
-                self.eager[key] = self.step(tree, top_k, chain_nodes, "eager")
+                self.eager[key] = self.step(tree, top_k, chain_nodes, rule, "eager")
             return self.eager[key](*args)
         if key not in self.graphs and self.frozen:
             try:
                 self.graphs[key] = frozen_step.load_or_build(
-                    self.model, tree, top_k, chain_nodes is not None,
-                    lambda: (self.step(tree, top_k, chain_nodes, "plain"), self.scratch_args(tree, top_k, chain_nodes)))
+                    self.model, tree, top_k, chain_nodes is not None, rule,
+                    lambda: (self.step(tree, top_k, chain_nodes, rule, "plain"),
+                             self.scratch_args(tree, top_k, chain_nodes, rule)))
             except Exception as err:  # export's and inductor's errors have no common base
                 logger.warning("Compiling the whole step ahead of time failed, compiling it in process instead: %s",
                                first_line(err))
@@ -276,7 +295,7 @@ class StaticSteps:
         if key not in self.graphs:
             logger.info("Compiling the whole step of a %d-node tree: under a minute once, then cached on disk",
                         tree.size)
-            self.graphs[key] = compile_step(self.step(tree, top_k, chain_nodes, "opaque").__call__)
+            self.graphs[key] = compile_step(self.step(tree, top_k, chain_nodes, rule, "opaque").__call__)
         if self.frozen:
             try:
                 out = self.graphs[key](*args)
@@ -284,7 +303,7 @@ class StaticSteps:
                 logger.warning("The whole step's package failed, compiling the step in process from now on: %s",
                                first_line(err))
                 self.frozen, self.graphs, self.ready = False, {}, set()
-                return self.run(tree, top_k, chain_nodes, *args)
+                return self.run(tree, top_k, chain_nodes, rule, *args)
             self.ready.add(key)
             return out
         try:
@@ -292,7 +311,7 @@ class StaticSteps:
         except Exception as err:  # torch.compile's own errors have no common base; eager runs the same function
             logger.warning("Compiling the whole step failed, stepping eagerly from now on: %s", first_line(err))
             self.failed = True
-            return self.run(tree, top_k, chain_nodes, *args)
+            return self.run(tree, top_k, chain_nodes, rule, *args)
         self.ready.add(key)
         return out
 
@@ -307,13 +326,13 @@ _STATIC_STEPS: "weakref.WeakKeyDictionary[torch.nn.Module, StaticSteps]" = weakr
 
 
 def static_steps(model: MedusaModel, drafter: Drafter, acceptance: Acceptance | None = None) -> StaticSteps | None:
-    """The `StaticSteps` that step `drafter` on `model` with `acceptance` (greedy if None), where whole-step graphs
-    apply (see the module's docstring); else None."""
+    """The `StaticSteps` that step `drafter` on `model` with `acceptance` (greedy if None, exact or typical), where
+    whole-step graphs apply (see the module's docstring); else None."""
     forward = getattr(model.backbone, FAST_FORWARD, None)
     compiled = isinstance(forward, CompiledLlama) and not forward.failed
     on_gpu = type(forward) is FastLlama and forward.embed.weight.device.type == "cuda"
     heads = heads_of(drafter)
-    if (not (compiled or on_gpu) or (acceptance is not None and type(acceptance) is not GreedyAcceptance)
+    if (not (compiled or on_gpu) or type(acceptance) not in (type(None), GreedyAcceptance, *STEP_RULES)
             or not (type(heads) is PlainDrafter or type(heads) in (MedusaDrafter, Eagle3TreeDrafter)
                     and heads.model is model)):
         return None
@@ -324,6 +343,11 @@ def static_steps(model: MedusaModel, drafter: Drafter, acceptance: Acceptance | 
     if steps is None or forward not in (steps.compiled, steps.fast):
         steps = _STATIC_STEPS[model.heads] = StaticSteps(model, forward)
     return steps
+
+
+def step_rule(acceptance: Acceptance | None) -> StepRule | None:
+    """The rule a whole step accepts by for `acceptance` (one `static_steps` takes): None for greedy."""
+    return acceptance.rule if type(acceptance) in STEP_RULES else None
 
 
 def step_trees(drafter: Drafter) -> list[tuple[TreeBuffers, torch.Tensor | None]]:
@@ -337,13 +361,14 @@ def step_trees(drafter: Drafter) -> list[tuple[TreeBuffers, torch.Tensor | None]
 class StaticStepper:
     r"""
     Steps one sequence through `StaticSteps`: the host part of the step (the n-gram branch, the cache's lengths,
-    the statistics) around one graph call and one read of its results. `hidden`: the backbone's hidden states
-    [n, H'] at the prompt's positions.
+    the statistics, an exact rule's random numbers) around one graph call and one read of its results. `hidden`: the
+    backbone's hidden states [n, H'] at the prompt's positions; `acceptance`: greedy (None) or exact.
     """
 
     def __init__(self, steps: StaticSteps, drafter: Drafter, cache: TreeCache, root: int, hidden: torch.Tensor,
-                 prompt: list[int]):
+                 prompt: list[int], acceptance: Acceptance | None = None):
         self.steps, self.drafter, self.cache = steps, drafter, cache
+        self.acceptance, self.rule = acceptance, step_rule(acceptance)
         self.heads = heads_of(drafter)
         device = cache.valid.device
         self.root = torch.tensor([root], device=device)
@@ -405,8 +430,8 @@ class StaticStepper:
         """The step of `tree` on `args`: through `StaticSteps`, on a GPU as its CUDA graph."""
         top_k = self.heads.tree.top_k
         if self.steps.capture:
-            return self.steps.replay(tree, top_k, chain_nodes, args)
-        return self.steps.run(tree, top_k, chain_nodes, *args)
+            return self.steps.replay(tree, top_k, chain_nodes, self.rule, args)
+        return self.steps.run(tree, top_k, chain_nodes, self.rule, *args)
 
     @torch.no_grad()
     def step(self, sequence: list[int], stats=None) -> tuple[list[int], torch.Tensor]:
@@ -432,8 +457,9 @@ class StaticStepper:
         window = self.cache.reserve(tree.size)
         key_slots = self.key_slots if self.steps.capture else self.key_slots[:window]  # a graph reads every slot
         torch._dynamo.mark_dynamic(key_slots, 0)  # one graph for every context length
-        packet, self.root, self.state, self.length = self._run(
-            tree, chain_nodes, (self.root, self.state, chain, self.length, key_slots, self.kv, self._own_cache(tree)))
+        sampling = () if self.rule is None else self.acceptance.step_inputs(tree.size, self.root.device)
+        packet, self.root, self.state, self.length = self._run(tree, chain_nodes, (
+            self.root, self.state, sampling, chain, self.length, key_slots, self.kv, self._own_cache(tree)))
         host = read(packet)  # the step's one read
         width = tree.max_depth + 1
         accepted, bonus = host[-2], host[-1]

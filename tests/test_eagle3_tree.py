@@ -13,7 +13,8 @@ from torch._dynamo.utils import counters
 from medusa_heads import MedusaError, MedusaModel, load_backbone
 from medusa_heads.compiled_llama import CompiledLlama
 from medusa_heads.fast_llama import FAST_FORWARD
-from medusa_heads.inference import DecodeState, EagleDrafter, GenerationStats, MedusaNgramDrafter, make_drafter
+from medusa_heads.inference import (DecodeState, EagleDrafter, ExactAcceptance, GenerationStats, MedusaNgramDrafter,
+                                    make_drafter)
 from medusa_heads.inference.drafters.eagle3_tree import FRESH_ROWS, Eagle3TreeDrafter, TreeDraft
 from medusa_heads.inference import captured_step, frozen_step
 from medusa_heads.inference.generate import encode_prompt, warm_up
@@ -195,6 +196,30 @@ def test_whole_steps_draft_and_decode_as_the_host_driven_step(tiny, tokenizer, c
     assert ours == theirs and len(ours) > 10
     # a graph per tree, replayed by both decodes: their caches, their drafters' too, were warm-up's
     assert len(captures) == (2 if captured else 0)
+
+
+def test_whole_steps_sample_as_the_host_driven_step(tiny, tokenizer, chat_prompts, tmp_path, monkeypatch):
+    """Exact sampling in the EAGLE-3 whole step, replayed from graphs a stand-in captures (each replay runs the eager
+    step): a seed gives the tokens the host-driven step gives."""
+    tiny.heads.save_pretrained(tmp_path / "heads")
+    model = MedusaModel.from_pretrained(tmp_path / "heads", base_model=load_backbone(tiny.backbone.name_or_path))
+    tree_file = three_deep("cpu-8", tmp_path)
+    monkeypatch.setattr(captured_step, "capture", replaying_on_the_cpu(captures := []))
+    steps = StaticSteps(model, getattr(model.backbone, FAST_FORWARD))
+    steps.capture = True
+    for seed, prompt in enumerate(encode_prompt(tokenizer, p) for p in chat_prompts[:2]):
+        drafter = make_drafter(model, "medusa+ngram", tree=tree_file, draft_length=4)
+        reference = MedusaNgramDrafter(EagleDrafter(model, drafter.heads.tree), ngram_length=4)
+        expected = decode(model, prompt, reference, sampling(seed), max_new_tokens=48)
+        assert expected != hf_greedy(model.backbone, prompt, 48)
+        with monkeypatch.context() as patch:
+            patch.setattr(generate_module, "static_steps", lambda *args: steps)
+            assert decode(model, prompt, drafter, sampling(seed), max_new_tokens=48) == expected
+    assert captures
+
+
+def sampling(seed: int) -> ExactAcceptance:
+    return ExactAcceptance(0.6, top_p=0.9, generator=torch.Generator().manual_seed(seed))
 
 
 def recorded(drafts: list, tokens: torch.Tensor, capture) -> torch.Tensor:

@@ -17,6 +17,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from medusa_heads import MedusaError, MedusaModel
 from medusa_heads.inference import (DecodeState, Draft, ExactAcceptance, TypicalAcceptance, Warper, generate_ids,
                                     make_acceptance)
+from medusa_heads.inference.acceptance import ExactRule, sibling_table
+from medusa_heads.inference.sampling import draw
 from medusa_heads.inference.cache import TreeCache
 from medusa_heads.inference.generate import prefill, verify
 from medusa_heads.model import untrained_heads
@@ -111,14 +113,20 @@ class TreeSampler:
         return tokens[:new_tokens], depths
 
 
-class ForgetsRejectedSiblings(ExactAcceptance):
+class ForgetsRejectedSiblings(ExactRule):
     """Broken on purpose: tries each child with its plain q and draws the bonus from the whole q."""
 
-    def acceptance_probs(self, draft: Draft, probs: torch.Tensor) -> torch.Tensor:
-        return probs[draft.tree.parent.clamp(min=0), draft.tokens]
+    def acceptance_probs(self, tree: TreeBuffers, earlier, tokens: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        return probs[tree.parent.clamp(min=0), tokens]
 
-    def residual(self, draft: Draft, probs: torch.Tensor, node: int) -> torch.Tensor:
-        return probs[node]
+    def residual(self, tree: TreeBuffers, tokens: torch.Tensor, probs: torch.Tensor, node: torch.Tensor):
+        return probs.index_select(0, node)[0]
+
+
+def forgetting_rejected_siblings(warp: dict, generator: torch.Generator) -> ExactAcceptance:
+    acceptance = ExactAcceptance(**warp, generator=generator)
+    acceptance.rule = ForgetsRejectedSiblings(*acceptance.warper.filters)
+    return acceptance
 
 
 # Both warp at T < 1 and draft on the backbone's ranks; the second truncates too and drafts a duplicate sibling.
@@ -128,7 +136,7 @@ CASES = {
 }
 LOSSY = {
     "temperature": lambda warp, generator: TypicalAcceptance(warp["temperature"], generator=generator),
-    "top-k-top-p-duplicates": lambda warp, generator: ForgetsRejectedSiblings(**warp, generator=generator),
+    "top-k-top-p-duplicates": forgetting_rejected_siblings,
 }
 
 
@@ -216,21 +224,49 @@ def test_warped_probabilities_are_what_hf_generate_samples_from(backbone, warp):
     torch.testing.assert_close(ours, hf, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("warp", [dict(temperature=0.7), dict(temperature=1.0, top_k=5),
+                                  dict(temperature=1.3, top_p=0.7), dict(temperature=0.8, top_k=6, top_p=0.9)])
+def test_warped_probabilities_are_hf_warpers_on_ties_too(warp):
+    """Against transformers' own warpers, on rows whose scores tie at the top-k and top-p boundaries."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 40, generator=generator)
+    logits[::2] = logits[::2].round()  # ties
+    scores = logits
+    for hf in ([TemperatureLogitsWarper(warp["temperature"])]
+               + ([TopKLogitsWarper(warp["top_k"])] if "top_k" in warp else [])
+               + ([TopPLogitsWarper(warp["top_p"])] if "top_p" in warp else [])):
+        scores = hf(None, scores)
+    ours = Warper(**warp).probs(logits)
+    assert torch.equal(ours > 0, scores.softmax(dim=-1) > 0)
+    torch.testing.assert_close(ours, scores.softmax(dim=-1), rtol=0, atol=1e-7)
+
+
 def test_duplicate_and_covering_children_by_hand():
     tree = build_tree([[0], [1], [2], [3]])
     q = torch.tensor([0.4, 0.3, 0.2, 0.1, 0.0])
-    draft = Draft(tree, torch.tensor([4, 0, 0, 1, 2]))  # the second child repeats the first's token
-    acceptance = ExactAcceptance(1.0)
-    got = acceptance.acceptance_probs(draft, q.expand(tree.size, -1).clone())
+    tokens = torch.tensor([4, 0, 0, 1, 2])  # the second child repeats the first's token
+    rule, earlier = ExactRule(), sibling_table(tree.paths, "cpu")
+    got = rule.acceptance_probs(tree, earlier, tokens, q.expand(tree.size, -1).clone())
     torch.testing.assert_close(got[1:], torch.tensor([0.4, 0.0, 0.3 / 0.6, 0.2 / 0.3]))
-    residual = acceptance.residual(draft, q.expand(tree.size, -1).clone(), 0)
+    residual = rule.residual(tree, tokens, q.expand(tree.size, -1).clone(), torch.tensor([0]))
     assert residual.tolist() == pytest.approx([0.0, 0.0, 0.0, 0.1, 0.0])
     # With top_k = 2 two children cover q's support: the second is accepted for sure, the residual is never empty.
     two = ExactAcceptance(1.0, top_k=2, generator=torch.Generator().manual_seed(0))
     pair = Draft(build_tree([[0], [1]]), torch.tensor([4, 1, 0]))
     logits = torch.tensor([2.0, 1.0, -1.0, -2.0, -3.0]).expand(3, -1)
-    assert two.acceptance_probs(pair, two.warper.probs(logits))[2] == 1.0
+    probs = two.warper.probs(logits)
+    assert rule.acceptance_probs(pair.tree, sibling_table(pair.tree.paths, "cpu"), pair.tokens, probs)[2] == 1.0
     assert {two.accept(pair, logits).nodes.tolist()[1] for _ in range(200)} == {1, 2}
+
+
+def test_a_draw_follows_its_weights_and_never_takes_a_token_of_weight_0():
+    weights = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0, 0.0])
+    uniforms = (torch.arange(4000, dtype=torch.float64) + 0.5) / 4000
+    tokens = torch.cat([draw(weights, u.reshape(1)) for u in uniforms])
+    assert torch.bincount(tokens, minlength=6).tolist() == [0, 2000, 0, 1000, 1000, 0]
+    almost_one = torch.tensor([1 - 2 ** -24])  # the largest float32 below 1: u x total may round to the total
+    assert draw(weights, almost_one).item() == 4 and draw(weights, torch.zeros(1)).item() == 1
 
 
 def test_bad_sampling_settings_are_one_line_errors(capsys):

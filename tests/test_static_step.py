@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from medusa_heads import MedusaModel
 from medusa_heads.backbone import tap_features
 from medusa_heads.fast_llama import FAST_FORWARD
-from medusa_heads.inference import GenerationStats, make_acceptance, make_drafter
+from medusa_heads.inference import ExactAcceptance, GenerationStats, TypicalAcceptance, make_acceptance, make_drafter
 from medusa_heads.inference import captured_step, frozen_step, static_step
 from medusa_heads.inference.generate import warm_up
 from medusa_heads.inference.static_step import StaticSteps, static_steps
@@ -114,6 +114,52 @@ def test_whole_step_graphs_decode_hf_greedy_as_the_host_driven_step(heads_folder
         assert any(n == 1 for lengths in our_lengths for n in lengths)
 
 
+SAMPLING = {  # each rule from a generator
+    "temperature": lambda generator: ExactAcceptance(0.6, generator=generator),
+    "top-k-top-p": lambda generator: ExactAcceptance(0.9, top_k=20, top_p=0.8, generator=generator),
+    "hotter": lambda generator: ExactAcceptance(1.2, top_k=20, top_p=0.8, generator=generator),
+    "typical": lambda generator: TypicalAcceptance(0.6, generator=generator),
+}
+
+
+def sampled(model: MedusaModel, name: str, rule: str, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
+    """`greedy`, sampling by `SAMPLING[rule]`, each prompt from its own seed."""
+    drafter = drafter_of(model, name)
+    tokens, lengths = [], []
+    for i, ids in enumerate(prompts()):
+        stats = GenerationStats()
+        acceptance = SAMPLING[rule](torch.Generator().manual_seed(seed + i))
+        tokens.append(decode(model, ids, drafter, acceptance, max_new_tokens=NEW_TOKENS, stats=stats))
+        lengths.append(stats.accepted_lengths)
+    return tokens, lengths
+
+
+@pytest.mark.parametrize("heads_folder, name, rule", [("medusa", "medusa+ngram", "temperature"),
+                                                      ("hydra", "medusa+ngram", "top-k-top-p"),
+                                                      ("medusa", "plain", "top-k-top-p"),
+                                                      ("hydra", "medusa+ngram", "typical")], indirect=["heads_folder"])
+def test_whole_step_graphs_sample_as_the_host_driven_step(heads_folder, name, rule):
+    """Sampling inside the graph (exact: the warpers, each node's coin, the bonus token's draw; typical): a step draws
+    its random numbers from the rule's generator as the host-driven step does, so a seed gives the same tokens and
+    accepted lengths either way; the host-driven step samples the backbone's own law (`test_sampling.py`)."""
+    compiled = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
+    eager = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
+    drafter, acceptance = drafter_of(compiled, name), SAMPLING[rule](None)
+    steps = static_steps(compiled, drafter, acceptance)
+    assert steps is not None and static_steps(eager, drafter_of(eager, name), acceptance) is None
+    warm_up(compiled, drafter, acceptance=acceptance)
+    assert steps.pending(drafter, acceptance.rule) == [] and steps.pending(drafter)  # greedy's graphs are others
+    graphs = counters["stats"]["unique_graphs"]
+    ours, our_lengths = sampled(compiled, name, rule)
+    assert counters["stats"]["unique_graphs"] == graphs and not steps.failed
+    theirs, their_lengths = sampled(eager, name, rule)
+    assert ours == theirs and our_lengths == their_lengths
+    assert ours != [hf_greedy(compiled.backbone, ids, NEW_TOKENS) for ids in prompts()]
+    assert sampled(compiled, name, rule, seed=10)[0] != ours  # the seed matters
+    if name != "plain":
+        assert any(n > 1 for lengths in our_lengths for n in lengths)
+
+
 def test_a_step_that_cannot_compile_runs_the_same_function_eagerly(heads_folder, monkeypatch, caplog):
     def broken(function):
         def fail(*args):
@@ -131,7 +177,10 @@ def test_a_step_that_cannot_compile_runs_the_same_function_eagerly(heads_folder,
 
 def test_other_rules_and_batches_keep_the_host_driven_step(heads_folder):
     model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
-    assert static_steps(model, make_drafter(model, "medusa"), make_acceptance("typical", 0.7)) is None
+    for rule in ("exact", "typical"):
+        assert static_steps(model, make_drafter(model, "medusa"), make_acceptance(rule, 0.7)) is not None
+    subclass = type("Changed", (ExactAcceptance,), {})  # a rule that may differ from its base's: the host decides
+    assert static_steps(model, make_drafter(model, "medusa"), subclass(0.7)) is None
     assert static_steps(model, make_drafter(model, "ngram")) is None
 
 
@@ -185,6 +234,21 @@ def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folde
     assert sorted((tmp_path / "steps").iterdir()) == packages  # loading unpacked it into a folder since deleted
 
 
+@pytest.mark.parametrize("heads_folder", ["medusa"], indirect=True)  # the rule is the same for any heads
+def test_a_frozen_package_samples_as_the_host_driven_step(heads_folder, monkeypatch, tmp_path):
+    """Exact sampling's step as a package of its own (the warpers' settings inputs: a new temperature loads it)."""
+    monkeypatch.setenv("MEDUSA_HEADS_HOME", str(tmp_path))
+    monkeypatch.setattr(frozen_step, "applies", lambda model: True)
+    model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny(), compile_step=True)
+    warm_up(model, drafter_of(model, "medusa"), acceptance=SAMPLING["top-k-top-p"](None))
+    steps = static_steps(model, drafter_of(model, "medusa"))
+    assert steps.frozen and len(steps.graphs) == 1 and len(list((tmp_path / "steps").glob("*.pt2"))) == 1
+    host = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
+    assert sampled(model, "medusa", "top-k-top-p") == sampled(host, "medusa", "top-k-top-p")
+    assert sampled(model, "medusa", "hotter") == sampled(host, "medusa", "hotter")
+    assert steps.frozen and len(steps.graphs) == 1 and len(list((tmp_path / "steps").glob("*.pt2"))) == 1
+
+
 def test_a_package_is_named_by_the_weights_as_they_are_now(heads_folder):
     model = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
     tree, root = drafter_of(model, "medusa").tree, drafter_of(model, "plain").tree
@@ -194,6 +258,9 @@ def test_a_package_is_named_by_the_weights_as_they_are_now(heads_folder):
 
     named, plain = names()
     assert names() == [named, plain] and frozen_step.package_path(model, tree, tree.top_k, chain=True) != named
+    sampling = {frozen_step.package_path(model, tree, tree.top_k, False, ExactAcceptance(t, k, p).rule)
+                for t, k, p in [(0.7, 0, 1.0), (1.3, 0, 1.0), (0.7, 5, 1.0), (0.7, 0, 0.9), (0.7, 5, 0.9)]}
+    assert len(sampling) == 4 and named not in sampling  # named by which warpers filter, not by their settings
     with torch.no_grad():  # changed in place, after their digests were kept
         next(model.heads.parameters()).view(-1)[0] += 1
         assert names()[0] != named and names()[1] == plain  # plain decoding does not draft
@@ -292,6 +359,20 @@ def test_steps_replayed_from_captured_graphs_decode_hf_greedy(heads_folder, name
     assert our_lengths == their_lengths
     assert len(captures) == trees  # the answers replayed the graphs `warm_up` captured
     assert [len(free) for free in steps.free_caches.values()] == [1]
+
+
+@pytest.mark.parametrize("heads_folder", ["hydra"], indirect=True)
+def test_steps_replayed_from_captured_graphs_sample_as_the_host_driven_step(heads_folder, monkeypatch):
+    """As on a GPU: a step's random numbers are an input like its state, copied in before each replay; capturing at
+    warm-up draws its own, leaving the answers' generators alone."""
+    eager = MedusaModel.from_pretrained(heads_folder, base_model=frozen_tiny())
+    theirs = sampled(eager, "medusa+ngram", "top-k-top-p")  # the host-driven step
+    steps, captures = captured_steps(eager, monkeypatch)
+    acceptance = SAMPLING["top-k-top-p"](None)
+    warm_up(eager, drafter_of(eager, "medusa+ngram"), acceptance=acceptance)
+    assert len(captures) == 2 and not steps.pending(drafter_of(eager, "medusa+ngram"), acceptance.rule)
+    assert sampled(eager, "medusa+ngram", "top-k-top-p") == theirs
+    assert len(captures) == 2
 
 
 def test_decodes_of_other_sizes_and_at_once_capture_over_their_own_caches(heads_folder, monkeypatch):

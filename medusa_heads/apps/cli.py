@@ -474,7 +474,7 @@ def _follow_ups(args) -> None:
 
 
 def _serve(args) -> None:
-    from medusa_heads.inference import make_drafter, warm_up
+    from medusa_heads.inference import make_acceptance, make_drafter, warm_up
     from medusa_heads.inference.registry import OPTIONS, check_drafter_options
     from medusa_heads.model import MedusaModel
 
@@ -491,8 +491,10 @@ def _serve(args) -> None:
     model = MedusaModel.from_pretrained(args.heads, base_model=args.model, dtype=args.dtype, device=args.device,
                                         quantize_drafter=args.quantize_drafter,
                                         compile_step=_compile_step(args))
-    warm_up(model, make_drafter(model, args.drafter, **options),
-            say=lambda line: print(line, file=sys.stderr, flush=True))
+    drafter = make_drafter(model, args.drafter, **options)
+    for rule in ("greedy", args.acceptance):  # temperature 0, and any other (top-k or top-p compile at first use)
+        warm_up(model, drafter, say=lambda line: print(line, file=sys.stderr, flush=True),
+                acceptance=make_acceptance(rule, temperature=0.7))
     run_server(sock, model, _tokenizer(args, model), _backbone_name(args, model), args.drafter, options,
                args.acceptance, args.max_queue, args.max_batch, args.verbose)
 
