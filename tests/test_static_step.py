@@ -195,6 +195,7 @@ def test_a_backbone_tapped_for_another_drafter_still_steps_whole(heads_folder):
     assert ours == [hf_greedy(model.backbone, ids, NEW_TOKENS) for ids in prompts()]
 
 
+@pytest.mark.parametrize("heads_folder", ["hydra"], indirect=True)  # the default's; Medusa's: the sampling test's
 def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folder, monkeypatch, tmp_path, caplog):
     """AMX bf16 CPUs take frozen packages by default; forced here in fp32, where greedy output is exact."""
     monkeypatch.setenv("MEDUSA_HEADS_HOME", str(tmp_path))
@@ -234,7 +235,7 @@ def test_a_frozen_package_decodes_hf_greedy_and_later_models_load_it(heads_folde
     assert sorted((tmp_path / "steps").iterdir()) == packages  # loading unpacked it into a folder since deleted
 
 
-@pytest.mark.parametrize("heads_folder", ["medusa"], indirect=True)  # the rule is the same for any heads
+@pytest.mark.parametrize("heads_folder", ["medusa"], indirect=True)  # Medusa heads' package; Hydra's: the greedy test's
 def test_a_frozen_package_samples_as_the_host_driven_step(heads_folder, monkeypatch, tmp_path):
     """Exact sampling's step as a package of its own (the warpers' settings inputs: a new temperature loads it)."""
     monkeypatch.setenv("MEDUSA_HEADS_HOME", str(tmp_path))
