@@ -70,8 +70,7 @@ class _Exportable(nn.Module):
 def package_path(model: MedusaModel, tree: TreeBuffers, top_k: int, chain: bool, rule: StepRule | None = None) -> Path:
     """Where the package of `model`'s whole step on `tree` (with the n-gram branch if `chain`, accepting by `rule`:
     greedy if None) is kept: named by a digest of the weights, the step's code, the tree, the rule, the software and
-    the threads. The root alone (plain decoding)
-    has no drafting: its package is the backbone's whatever the heads."""
+    the threads. The root alone (plain decoding) has no drafting: its package is the backbone's whatever the heads."""
     drafts = tree.size > 1
     digest = hashlib.blake2b(_weights_digest(model.backbone), digest_size=16)
     modules = ["medusa_heads.fast_llama", "medusa_heads.inference.static_step", "medusa_heads.inference.frozen_step",

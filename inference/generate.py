@@ -279,7 +279,7 @@ def warm_up(model: MedusaModel, drafter: Drafter, say: Callable[[str], None] = l
 def capture_steps(model: MedusaModel, steps: StaticSteps, drafter: Drafter, acceptance: Acceptance | None = None
                   ) -> None:
     """On a GPU, capture each tree's step of `drafter` accepting by `acceptance` over the smallest cache `steps`
-    lends, as the first answer would: a step of each over a scratch prompt (an exact rule draws its numbers from a
+    lends, as the first answer would: a step of each over a scratch prompt (a sampling rule draws its numbers from a
     generator of its own here, leaving the answers' alone)."""
     cache = steps.borrow_cache(1)
     try:
