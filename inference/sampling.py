@@ -74,4 +74,3 @@ def draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     slots = torch.arange(weights.shape[0], device=weights.device)
     last = torch.where(weights > 0, slots, 0).max()  # uniform x total can round up to the total itself
     return torch.minimum(token, last)
-

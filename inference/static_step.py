@@ -361,8 +361,8 @@ def step_trees(drafter: Drafter) -> list[tuple[TreeBuffers, torch.Tensor | None]
 class StaticStepper:
     r"""
     Steps one sequence through `StaticSteps`: the host part of the step (the n-gram branch, the cache's lengths,
-    the statistics, an exact rule's random numbers) around one graph call and one read of its results. `hidden`: the
-    backbone's hidden states [n, H'] at the prompt's positions; `acceptance`: greedy (None) or exact.
+    the statistics, a sampling rule's random numbers) around one graph call and one read of its results. `hidden`:
+    the backbone's hidden states [n, H'] at the prompt's positions; `acceptance`: greedy (None), exact or typical.
     """
 
     def __init__(self, steps: StaticSteps, drafter: Drafter, cache: TreeCache, root: int, hidden: torch.Tensor,

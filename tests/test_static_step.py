@@ -81,13 +81,7 @@ def drafter_of(model: MedusaModel, name: str):
 
 def greedy(model: MedusaModel, name: str) -> tuple[list[list[int]], list[list[int]]]:
     """Each prompt's new tokens and accepted lengths, drafted by `drafter_of(model, name)`."""
-    drafter = drafter_of(model, name)
-    tokens, lengths = [], []
-    for ids in prompts():
-        stats = GenerationStats()
-        tokens.append(decode(model, ids, drafter, max_new_tokens=NEW_TOKENS, stats=stats))
-        lengths.append(stats.accepted_lengths)
-    return tokens, lengths
+    return sampled(model, name, None)
 
 
 @pytest.mark.parametrize("name", ["medusa", "medusa+ngram", "plain"])
@@ -122,13 +116,14 @@ SAMPLING = {  # each rule from a generator
 }
 
 
-def sampled(model: MedusaModel, name: str, rule: str, seed: int = 0) -> tuple[list[list[int]], list[list[int]]]:
-    """`greedy`, sampling by `SAMPLING[rule]`, each prompt from its own seed."""
+def sampled(model: MedusaModel, name: str, rule: str | None, seed: int = 0
+            ) -> tuple[list[list[int]], list[list[int]]]:
+    """`greedy`, sampling by `SAMPLING[rule]` (None: greedy), each prompt from its own seed."""
     drafter = drafter_of(model, name)
     tokens, lengths = [], []
     for i, ids in enumerate(prompts()):
         stats = GenerationStats()
-        acceptance = SAMPLING[rule](torch.Generator().manual_seed(seed + i))
+        acceptance = rule and SAMPLING[rule](torch.Generator().manual_seed(seed + i))
         tokens.append(decode(model, ids, drafter, acceptance, max_new_tokens=NEW_TOKENS, stats=stats))
         lengths.append(stats.accepted_lengths)
     return tokens, lengths
