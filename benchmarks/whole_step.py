@@ -10,6 +10,7 @@ as CUDA graphs (`captured_step.py`) against the host-driven step:
     python benchmarks/whole_step.py --heads smollm2-135m-embedded-eagle3 --tree eagle3-bf16-8 --quantize-drafter int8
     python benchmarks/whole_step.py --device cuda --tree medusa-63
     python benchmarks/whole_step.py --acceptance exact   # at --temperature 0.7, a prompt's seed the same each way
+    python benchmarks/whole_step.py --acceptance exact --top-k 50 --top-p 0.9
 
 For each way: tokens/s and ms a step (medians over prompts), tokens a step, and how many answers equal the
 first row's (greedy: every way gives the backbone's greedy answer, up to bf16 rounding in the forward; sampling:
@@ -69,6 +70,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--acceptance", default="greedy", choices=["greedy", "exact", "typical"])
     parser.add_argument("--temperature", type=float, default=0.7, help="exact, typical: the temperature")
+    parser.add_argument("--top-k", type=int, default=0, help="exact: top-k filtering (0: none)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="exact: nucleus mass (1: none)")
     parser.add_argument("--profile", action="store_true", help="then profile the whole step over one answer")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -92,7 +95,8 @@ def main() -> None:
     def acceptance(seed: int = 0):
         if args.acceptance == "greedy":
             return None
-        return make_acceptance(args.acceptance, args.temperature, seed=seed, device=args.device)
+        filters = dict(top_k=args.top_k, top_p=args.top_p) if args.acceptance == "exact" else {}
+        return make_acceptance(args.acceptance, args.temperature, seed=seed, device=args.device, **filters)
 
     def run(prompt: str, way: str, tokens: int):
         drafter, steps = ways[way]
@@ -111,6 +115,8 @@ def main() -> None:
             results[way].append((stats.new_tokens / stats.decode_seconds, 1000 * stats.decode_seconds / stats.steps,
                                  stats.mean_accepted_length, answer.token_ids))
     sampling = f"{args.acceptance} acceptance" + (f" at temperature {args.temperature}" if acceptance() else "")
+    if args.acceptance == "exact" and (args.top_k or args.top_p < 1):
+        sampling += f", top-k {args.top_k}, top-p {args.top_p}"
     print(f"{args.dtype}, {args.threads} threads, {len(prompts)} prompts, {args.max_new_tokens} new tokens, "
           f"tree {args.tree} + n-gram chain, {sampling}")
     print("| decoding | tokens/s | ms a step | tokens a step | answers equal to the first row's |")

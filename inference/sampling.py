@@ -5,7 +5,13 @@ with one uniform number.
 transformers' warpers hold their settings as Python numbers, which a compiled step would bake in: a graph for each
 temperature a server is asked for. `warped_probs` takes the settings as a tensor and computes what those warpers
 compute, in the order `generate(do_sample=True)` applies them (`tests/test_sampling.py` compares the two); which of
-them apply is the graph's structure (top-k and top-p sort the vocabulary, temperature alone does not).
+them apply is the graph's structure.
+
+HF's top-k and top-p sort the vocabulary, which costs more than a whole decoding step over a tree's rows (27 ms for
+15 rows of 49,152 on 2 cores of a Zen 5, against a 14 ms step). Here each finds its threshold by bisection over the
+order of fp32 values instead: 32 passes over the row, each a comparison and a sum. Top-k keeps what HF keeps. Top-p
+keeps the same number of tokens at each probability; where equally likely tokens straddle the edge of the nucleus,
+HF keeps those its unstable sort happens to put last, and this keeps the lowest token ids.
 """
 
 import torch
@@ -54,15 +60,56 @@ def warped_probs(logits: torch.Tensor, settings: torch.Tensor, top_k: bool = Fal
     `top_k`, `top_p`: whether those filters apply."""
     scores = logits.float() / settings[0]
     if top_k:  # below the k-th largest score (ties with it stay)
-        k = settings[1].long().clamp(max=scores.shape[-1])
-        kth = scores.sort(dim=-1, descending=True).values.index_select(-1, (k - 1).reshape(1))
-        scores = scores.masked_fill(scores < kth, -torch.inf)
-    if top_p:  # the least likely tokens whose probabilities add up to at most 1 - top_p, all but the most likely
-        ordered, order = torch.sort(scores, descending=False)
-        remove = ordered.softmax(dim=-1).cumsum(dim=-1) <= settings[2]
-        remove = remove & (torch.arange(remove.shape[-1], device=remove.device) < remove.shape[-1] - 1)
-        scores = scores.masked_fill(remove.scatter(-1, order, remove), -torch.inf)
+        scores = scores.masked_fill(scores < _kth_largest(scores, settings[1].long()), -torch.inf)
+    if top_p:
+        scores = scores.masked_fill(_outside_nucleus(torch.softmax(scores, dim=-1), settings[2]), -torch.inf)
     return torch.softmax(scores, dim=-1)
+
+
+BISECTIONS = 32  # halvings of the 2^32 orders of fp32 values: any threshold is found exactly
+
+
+def _order(values: torch.Tensor) -> torch.Tensor:
+    """fp32 values -> int64 keys in the same order: their bits, with a negative value's other bits flipped."""
+    bits = values.view(torch.int32).long()
+    return torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _value(keys: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_order`."""
+    bits = torch.where(keys < 0, keys ^ 0x7FFFFFFF, keys)
+    return bits.int().view(torch.float32)
+
+
+def _kth_largest(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """scores [..., V], k [] in [1, V] (larger: V) -> [..., 1] the k-th largest score of each row."""
+    k = k.clamp(max=scores.shape[-1])
+    low = _order(scores.amin(dim=-1, keepdim=True))  # at least k scores are >= low, fewer than k >= high
+    high = _order(scores.amax(dim=-1, keepdim=True)) + 1
+    for _ in range(BISECTIONS):
+        middle = low + (high - low) // 2
+        enough = (scores >= _value(middle)).sum(dim=-1, keepdim=True) >= k
+        low, high = torch.where(enough, middle, low), torch.where(enough, high, middle)
+    return _value(low)
+
+
+def _outside_nucleus(probs: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
+    """probs [..., V], cut [] = 1 - top_p -> [..., V] the tokens top-p removes: those whose more likely tokens (and
+    equally likely ones of lower id) hold at least the mass `need` = total - cut, all but the most likely."""
+    need = probs.sum(dim=-1, keepdim=True) - cut
+    # the edge: the smallest probability p such that the tokens more likely than p hold less than `need`
+    # (bisected over the bits of probabilities, which are >= 0 and so ordered as integers)
+    low = torch.zeros_like(need, dtype=torch.int64)  # the mass above: >= need at low, < need at high
+    high = probs.amax(dim=-1, keepdim=True).view(torch.int32).long()
+    for _ in range(BISECTIONS):
+        middle = low + (high - low) // 2
+        short = torch.where(probs > _value(middle), probs, 0.0).sum(dim=-1, keepdim=True) < need
+        low, high = torch.where(short, low, middle), torch.where(short, middle, high)
+    edge = _value(high)
+    above = torch.where(probs > edge, probs, 0.0).sum(dim=-1, keepdim=True)
+    at_edge = probs == edge
+    before = above + (at_edge.cumsum(dim=-1) - at_edge.long()) * edge  # more likely, then equal ones of lower id
+    return (probs < edge) | (at_edge & (before >= need))
 
 
 def draw(weights: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
