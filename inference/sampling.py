@@ -11,7 +11,8 @@ HF's top-k and top-p sort the vocabulary, which costs more than a whole decoding
 15 rows of 49,152 on 2 cores of a Zen 5, against a 14 ms step). Here each finds its threshold by bisection over the
 order of fp32 values instead: 32 passes over the row, each a comparison and a sum. Top-k keeps what HF keeps. Top-p
 keeps the same number of tokens at each probability; where equally likely tokens straddle the edge of the nucleus,
-HF keeps those its unstable sort happens to put last, and this keeps the lowest token ids.
+HF keeps those its unstable sort happens to put last, and this keeps the lowest token ids; and a token whose mass
+lies within fp32 rounding of the edge may go either way, as it may between HF's own kernels on two devices.
 """
 
 import torch
