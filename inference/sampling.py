@@ -15,6 +15,8 @@ HF keeps those its unstable sort happens to put last, and this keeps the lowest 
 lies within fp32 rounding of the edge may go either way, as it may between HF's own kernels on two devices.
 """
 
+from typing import Callable
+
 import torch
 
 from medusa_heads.errors import MedusaError
@@ -82,15 +84,23 @@ def _value(keys: torch.Tensor) -> torch.Tensor:
     return bits.int().view(torch.float32)
 
 
+def _bisect(low: torch.Tensor, high: torch.Tensor, holds: Callable[[torch.Tensor], torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [..., 1] `low`, where the monotone `holds` is true, and `high`, where it is false -> the two adjacent keys
+    between which it turns false."""
+    for _ in range(BISECTIONS):
+        middle = low + (high - low) // 2
+        true = holds(middle)
+        low, high = torch.where(true, middle, low), torch.where(true, high, middle)
+    return low, high
+
+
 def _kth_largest(scores: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """scores [..., V], k [] in [1, V] (larger: V) -> [..., 1] the k-th largest score of each row."""
     k = k.clamp(max=scores.shape[-1])
     low = _order(scores.amin(dim=-1, keepdim=True))  # at least k scores are >= low, fewer than k >= high
     high = _order(scores.amax(dim=-1, keepdim=True)) + 1
-    for _ in range(BISECTIONS):
-        middle = low + (high - low) // 2
-        enough = (scores >= _value(middle)).sum(dim=-1, keepdim=True) >= k
-        low, high = torch.where(enough, middle, low), torch.where(enough, high, middle)
+    low, _ = _bisect(low, high, lambda key: (scores >= _value(key)).sum(dim=-1, keepdim=True) >= k)
     return _value(low)
 
 
@@ -102,10 +112,8 @@ def _outside_nucleus(probs: torch.Tensor, cut: torch.Tensor) -> torch.Tensor:
     # (bisected over the bits of probabilities, which are >= 0 and so ordered as integers)
     low = torch.zeros_like(need, dtype=torch.int64)  # the mass above: >= need at low, < need at high
     high = probs.amax(dim=-1, keepdim=True).view(torch.int32).long()
-    for _ in range(BISECTIONS):
-        middle = low + (high - low) // 2
-        short = torch.where(probs > _value(middle), probs, 0.0).sum(dim=-1, keepdim=True) < need
-        low, high = torch.where(short, low, middle), torch.where(short, middle, high)
+    _, high = _bisect(low, high, lambda key: torch.where(probs > _value(key), probs, 0.0).sum(dim=-1, keepdim=True)
+                      >= need)
     edge = _value(high)
     above = torch.where(probs > edge, probs, 0.0).sum(dim=-1, keepdim=True)
     at_edge = probs == edge
