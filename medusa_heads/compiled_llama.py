@@ -20,7 +20,6 @@ import copy
 import logging
 import os
 import weakref
-from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -29,36 +28,14 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .backbone import cache_home, first_line
+from .cpu_ops import load_packed_linear
 from .fast_llama import FAST_FORWARD, FastLlama, FastLlamaLayer, Product, product
 from .packing import PackedLinear
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "packed_linear.cpp"
 MAX_STEP_TOKENS = 64  # larger steps run eagerly
 MAX_GRAPHS = 8  # step sizes compiled at most (dynamo's own limit); trees that keep changing size run the rest eagerly
-
-
-def load_packed_linear() -> str | None:
-    """Make `torch.ops.medusa_heads.packed_linear` available, building it once into the cache folder; None when
-    it is, else why not (in words)."""
-    if hasattr(torch.ops.medusa_heads, "packed_linear"):
-        return None
-    from torch.utils.cpp_extension import load  # imported here: it looks for a compiler and ninja
-
-    folder = cache_home() / "ops" / f"torch-{torch.__version__}"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        load(name="medusa_heads_ops", sources=[str(SOURCE)], build_directory=str(folder), is_python_module=False,
-             extra_cflags=["-O2"])
-    except (OSError, RuntimeError, ImportError, SystemExit) as err:  # no compiler, no ninja, no headers
-        return f"the packed-product operator could not be built ({first_line(err)})"
-    torch.library.register_fake("medusa_heads::packed_linear")(_packed_linear_shape)
-    return None
-
-
-def _packed_linear_shape(x: torch.Tensor, index: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], out_features))
 
 
 def _use_our_inductor_cache() -> None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from .packing import PackedLinear, SiblingLinear, packed_product
+from .packing import PackedLinear, SiblingLinear, pack_weight, packed_product
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # rotary angles that depend on the position alone
@@ -143,7 +143,7 @@ def stacked_product(members: list[nn.Module], plain: bool = False) -> Product | 
         return Product(out_features, bias, packed=siblings.packed)  # the group `fuse_siblings` already packed
     weight = torch.cat([m.weight.detach() for m in members])
     if all(type(m) is PackedLinear for m in members):  # packed, but not fused: one more packed copy
-        return Product(out_features, bias, packed=torch.ops.mkldnn._reorder_linear_weight(weight))
+        return Product(out_features, bias, packed=pack_weight(weight))
     # one stacked tensor, and each layer's weight a view of its rows: still one copy of the weights
     rows = 0
     for m in members:

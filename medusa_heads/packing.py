@@ -15,15 +15,24 @@ share one packed weight, their rows stacked: the first of them called computes a
 and the others take their slices. That is what vLLM's merged `qkv_proj` and `gate_up_proj` do, found here from a
 trial forward instead of from the model's source (`fuse_siblings`); one product instead of three saves about 20 us
 a layer on this CPU, bit-identical.
+
+On a CPU with AVX512-BF16 but no AMX (AMD's Zen 4 and Zen 5), a bf16 weight is laid out instead in panels of 64
+output columns for this project's own product (`csrc/packed_linear.cpp`): at the few rows of a decoding step it
+runs near the memory's bandwidth where oneDNN's reaches about half of it (1.3-1.9x faster products on a Zen 4,
+docs/experiments.md). Its sums round differently from oneDNN's, like any other kernel's. `MEDUSA_HEADS_BF16_PRODUCTS`
+chooses: `auto` (the default), `onednn` or `panels` (wherever the CPU has AVX512-BF16).
 """
 
 import copy
 import logging
+import os
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
+
+from .errors import MedusaError
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +49,42 @@ def can_pack(device: torch.device | str, dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+PANEL_COLUMNS = 64  # output columns of one panel (csrc/packed_linear.cpp)
+PRODUCTS_VARIABLE = "MEDUSA_HEADS_BF16_PRODUCTS"
+
+
+def uses_panels(weight: torch.Tensor) -> bool:
+    """Whether `pack_weight` lays `weight` [out, in] out in panels for this project's bf16 product."""
+    choice = os.environ.get(PRODUCTS_VARIABLE, "auto")
+    if choice not in ("auto", "onednn", "panels"):
+        raise MedusaError(f"{PRODUCTS_VARIABLE} is {choice!r}; use auto, onednn or panels.")
+    if (choice == "onednn" or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2
+            or weight.shape[0] % PANEL_COLUMNS or weight.shape[1] % 2):
+        return False
+    from .cpu_ops import panel_products, panels_by_default  # build the operator on first use
+
+    return panel_products() if choice == "panels" else panels_by_default()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] laid out once for this CPU's product: in panels [out / 64, in / 2, 64, 2] (`uses_panels`),
+    else packed for oneDNN."""
+    weight = weight.detach()
+    return panel_layout(weight) if uses_panels(weight) else torch.ops.mkldnn._reorder_linear_weight(weight)
+
+
+def panel_layout(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] as panels [out / 64, in / 2, 64, 2]: each panel 64 output columns, their weights for inputs
+    2i and 2i + 1 side by side, as AVX512-BF16's dot product reads them."""
+    out_features, in_features = weight.shape
+    return (weight.reshape(out_features // PANEL_COLUMNS, PANEL_COLUMNS, in_features // 2, 2)
+            .permute(0, 2, 1, 3).contiguous())
+
+
 def packed_product(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ weight.T + bias` [..., out] with the weight packed for oneDNN (`torch.ops.mkldnn._reorder_linear_weight`)."""
+    """`x @ weight.T + bias` [..., out] with the weight laid out by `pack_weight`."""
+    if not packed.is_mkldnn:
+        return torch.ops.medusa_heads.panel_linear(x, packed, bias)
     out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), packed, bias, "none", [], "")  # 2D only
     return out.view(*x.shape[:-1], out.shape[-1])
 
@@ -65,7 +108,7 @@ def pack_linears(model: nn.Module) -> int:
     for module in model.modules():
         if type(module) is nn.Linear and not module.weight.requires_grad and can_pack(module.weight.device,
                                                                                     module.weight.dtype):
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+            module.packed = pack_weight(module.weight)
             # The class swap keeps the module object, so everything holding it (a tied embedding, a peft
             # wrapper, the parent's attribute) now computes with the packed weight.
             module.__class__ = PackedLinear
@@ -95,7 +138,7 @@ class Siblings:
 
     def __init__(self, members: list["SiblingLinear"]):
         self.members = members
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(torch.cat([m.weight.detach() for m in members]))
+        self.packed = pack_weight(torch.cat([m.weight.detach() for m in members]))
         biases = [m.bias for m in members]
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         self.sizes = [m.out_features for m in members]
@@ -148,7 +191,7 @@ def _calls_by_input(model: nn.Module, run: Callable[[], torch.Tensor]
 
 def _unfuse(members: list[SiblingLinear]) -> None:
     for module in members:
-        module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach())
+        module.packed = pack_weight(module.weight)
         module.__class__ = PackedLinear
         del module.siblings, module.sibling_index
 

@@ -1,5 +1,6 @@
 """Linear layers packed for oneDNN: the same module and parameters, the same numbers (bit-identical in bf16), sibling
-layers sharing one product without changing a bit, and tree decoding on a packed fp32 model (with `sdpa_tree_gqa` attention) still gives HF `generate`'s greedy output on the stock model."""
+layers sharing one product without changing a bit; the bf16 panel products against fp32 sums, bit for bit whatever
+the rows and the stacking, inside a compiled graph too; and tree decoding on a packed fp32 model (with `sdpa_tree_gqa` attention) still gives HF `generate`'s greedy output on the stock model."""
 
 import pytest
 import torch
@@ -8,7 +9,9 @@ from torch import nn
 from medusa_heads import EMBEDDED_MODEL, MedusaModel
 from medusa_heads.model import SHIPPED_HEADS
 from medusa_heads.inference import make_drafter
-from medusa_heads.packing import PackedLinear, SiblingLinear, can_pack, fuse_siblings, pack_linears, stock_linears
+from medusa_heads.errors import MedusaError
+from medusa_heads.packing import (PRODUCTS_VARIABLE, PackedLinear, SiblingLinear, can_pack, fuse_siblings, pack_linears,
+                                   pack_weight, packed_product, stock_linears, uses_panels)
 
 from oracle import assert_exact  # noqa: E402
 
@@ -135,3 +138,59 @@ def test_a_loaded_eagle_drafter_is_frozen_and_packed_and_still_decodes_exactly(r
     assert_exact(model, backbone, references[:2], make_drafter(model, "medusa", tree="eagle-cpu-16"))
     unpacked = MedusaModel.from_pretrained(eagle, dtype=torch.float32, pack_weights=False)
     assert not any(type(m) is PackedLinear for m in unpacked.heads.modules())
+
+
+def panels_or_skip():
+    from medusa_heads.cpu_ops import panel_products
+    if not panel_products():
+        pytest.skip("no AVX512-BF16 panel products on this CPU (or no compiler)")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_panel_products_are_bf16_products_whatever_the_rows_and_the_stacking(monkeypatch, bias):
+    """Each output is the fp32 sum of its bf16 products rounded once (within bf16's rounding of the fp32 reference),
+    and its bits depend on its own row and column only: the same for one row or 40, alone or stacked with siblings."""
+    panels_or_skip()
+    monkeypatch.setenv(PRODUCTS_VARIABLE, "panels")
+    torch.manual_seed(0)
+    q, k = torch.randn(128, 576, dtype=torch.bfloat16), torch.randn(64, 576, dtype=torch.bfloat16)
+    b = torch.randn(192, dtype=torch.bfloat16) if bias else None
+    stacked = pack_weight(torch.cat([q, k]))
+    assert not stacked.is_mkldnn and stacked.shape == (3, 288, 64, 2)
+    x = torch.randn(2, 40, 576, dtype=torch.bfloat16)
+    got = packed_product(x, stacked, b)
+    reference = x.float() @ torch.cat([q, k]).float().T + (0 if b is None else b.float())
+    assert got.shape == (2, 40, 192)
+    torch.testing.assert_close(got.float(), reference, rtol=8e-3, atol=0.05)
+    for rows in (1, 5, 6, 7, 13):
+        assert torch.equal(packed_product(x[:, :rows], stacked, b), got[:, :rows])
+    alone = packed_product(x, pack_weight(k), None if b is None else b[128:])
+    assert torch.equal(alone, got[..., 128:])
+
+
+def test_the_products_variable_chooses_the_layout(monkeypatch):
+    weight = torch.randn(64, 32, dtype=torch.bfloat16)
+    monkeypatch.setenv(PRODUCTS_VARIABLE, "onednn")
+    if can_pack("cpu", torch.bfloat16):
+        assert pack_weight(weight).is_mkldnn
+    monkeypatch.setenv(PRODUCTS_VARIABLE, "fastest")
+    with pytest.raises(MedusaError, match="use auto, onednn or panels"):
+        pack_weight(weight)
+    monkeypatch.setenv(PRODUCTS_VARIABLE, "panels")
+    assert not uses_panels(torch.randn(60, 32, dtype=torch.bfloat16))  # not whole panels: oneDNN's
+    assert not uses_panels(torch.randn(64, 32))  # fp32: oneDNN's
+
+
+def test_a_compiled_graph_calls_panel_products_by_index(monkeypatch):
+    """Inside a compiled step a product is `packed_linear` on the weight's index; with a panel weight it gives the
+    eager panel product's bits."""
+    from medusa_heads.compiled_llama import OpaqueProduct
+    from medusa_heads.fast_llama import Product
+    panels_or_skip()
+    monkeypatch.setenv(PRODUCTS_VARIABLE, "panels")
+    weight, bias = torch.randn(128, 64, dtype=torch.bfloat16), torch.randn(128, dtype=torch.bfloat16)
+    eager = Product(128, bias, packed=pack_weight(weight))
+    opaque = OpaqueProduct(eager)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    compiled = torch.compile(lambda x: torch.nn.functional.silu(opaque(x)), fullgraph=True)
+    assert torch.equal(compiled(x), torch.nn.functional.silu(eager(x)))
