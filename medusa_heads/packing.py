@@ -18,9 +18,9 @@ a layer on this CPU, bit-identical.
 
 On a CPU with AVX512-BF16 but no AMX (AMD's Zen 4 and Zen 5), a bf16 weight is laid out instead in panels of 64
 output columns for this project's own product (`csrc/packed_linear.cpp`): at the few rows of a decoding step it
-runs near the memory's bandwidth where oneDNN's reaches about half of it (1.3-1.9x faster products on a Zen 4,
-docs/experiments.md). Its sums round differently from oneDNN's, like any other kernel's. `MEDUSA_HEADS_BF16_PRODUCTS`
-chooses: `auto` (the default), `onednn` or `panels` (wherever the CPU has AVX512-BF16).
+runs near the memory's bandwidth where oneDNN's reaches about half of it (a forward's products 1.3-1.7x faster at
+1-15 rows on a Zen 4, docs/experiments.md). Its sums round differently from oneDNN's, like any other kernel's.
+`MEDUSA_HEADS_BF16_PRODUCTS` chooses: `auto` (the default), `onednn` or `panels` (wherever the CPU has AVX512-BF16).
 """
 
 import copy
