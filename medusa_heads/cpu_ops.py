@@ -5,13 +5,14 @@ oneDNN's where they are faster (`packing.py`).
 """
 
 import logging
+import platform
 import sys
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 
-from .backbone import cache_home, first_line
+from .home import cache_home
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +34,8 @@ def load_packed_linear() -> str | None:
         load(name="medusa_heads_ops", sources=[str(SOURCE)], build_directory=str(folder), is_python_module=False,
              extra_cflags=["-O2", *openmp], extra_ldflags=openmp)
     except (OSError, RuntimeError, ImportError, SystemExit) as err:  # no compiler, no ninja, no headers
-        return f"the packed-product operator could not be built ({first_line(err)})"
+        lines = str(err).strip().splitlines()
+        return f"the packed-product operator could not be built ({lines[0] if lines else type(err).__name__})"
     torch.library.register_fake("medusa_heads::packed_linear")(_packed_linear_shape)
     torch.library.register_fake("medusa_heads::panel_linear")(_panel_linear_shape)
     return None
@@ -50,9 +52,7 @@ def _panel_linear_shape(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tenso
 @lru_cache(maxsize=1)
 def panel_products() -> bool:
     """Whether `torch.ops.medusa_heads.panel_linear` runs here (built, on a CPU with AVX512-BF16)."""
-    from .device import cpu_features
-
-    if "avx512_bf16" not in cpu_features():
+    if platform.machine() not in ("x86_64", "AMD64"):
         return False
     why_not = load_packed_linear()
     if why_not is not None:
@@ -65,6 +65,5 @@ def panel_products() -> bool:
 def panels_by_default() -> bool:
     """Whether bf16 products are panel products unless the user says otherwise: on CPUs with AVX512-BF16 and no
     AMX (there oneDNN's AMX kernels are the faster ones)."""
-    from .device import cpu_features
-
-    return panel_products() and "amx_bf16" not in cpu_features()
+    amx = getattr(torch._C._cpu, "_init_amx", lambda: False)  # asks the kernel for the tiles; False without them
+    return panel_products() and not amx()

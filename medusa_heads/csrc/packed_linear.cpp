@@ -109,9 +109,9 @@ at::Tensor panel_linear(const at::Tensor&, const at::Tensor&, const std::optiona
 }
 #endif
 
-bool has_panels() {
+bool has_panels() {  // built with them, on a CPU that has AVX512-BF16
 #ifdef PANELS
-  return true;
+  return __builtin_cpu_supports("avx512bf16");
 #else
   return false;
 #endif
