@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from medusa_heads.backbone import cache_home, first_line, weight_bytes
+from medusa_heads.cpu_ops import has_amx
 from medusa_heads.model import MedusaModel
 from medusa_heads.tree import TreeBuffers
 
@@ -52,8 +53,7 @@ def applies(model: MedusaModel) -> bool:
     `MAX_WEIGHT_BYTES`."""
     like = model.backbone.get_input_embeddings().weight
     size = weight_bytes(model.backbone)
-    amx = getattr(torch._C._cpu, "_init_amx", lambda: False)  # asks the kernel for the tiles; False without them
-    return like.device.type == "cpu" and like.dtype == torch.bfloat16 and size <= MAX_WEIGHT_BYTES and amx()
+    return like.device.type == "cpu" and like.dtype == torch.bfloat16 and size <= MAX_WEIGHT_BYTES and has_amx()
 
 
 class _Exportable(nn.Module):

@@ -61,9 +61,13 @@ def panel_products() -> bool:
     return torch.ops.medusa_heads.has_panels()
 
 
+def has_amx() -> bool:
+    """Whether this CPU computes with AMX tiles (asking the kernel for them; False without them)."""
+    return getattr(torch._C._cpu, "_init_amx", lambda: False)()
+
+
 @lru_cache(maxsize=1)
 def panels_by_default() -> bool:
     """Whether bf16 products are panel products unless the user says otherwise: on CPUs with AVX512-BF16 and no
     AMX (there oneDNN's AMX kernels are the faster ones)."""
-    amx = getattr(torch._C._cpu, "_init_amx", lambda: False)  # asks the kernel for the tiles; False without them
-    return panel_products() and not amx()
+    return panel_products() and not has_amx()

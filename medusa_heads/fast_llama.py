@@ -77,8 +77,8 @@ def _mlp_projections(layer: nn.Module) -> list[nn.Linear]:
 
 
 class Product:
-    """`x @ weight.T + bias` [..., out_features] over a layer's own weights: a plain `weight`, its oneDNN-packed copy
-    `packed`, or its transposed copy `transposed` (one copy each time: the others are None)."""
+    """`x @ weight.T + bias` [..., out_features] over a layer's own weights: a plain `weight`, its copy `packed` laid
+    out by `packing.pack_weight`, or its transposed copy `transposed` (one copy each time: the others are None)."""
 
     def __init__(self, out_features: int, bias: torch.Tensor | None, weight: torch.Tensor | None = None,
                  packed: torch.Tensor | None = None, transposed: torch.Tensor | None = None):
